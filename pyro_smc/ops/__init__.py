@@ -1,0 +1,8 @@
+"""Pure tensor math behind pyro_smc: no Pyro import, functions of tensors only.
+
+Modules:
+    weights: normalise log-weights, effective sample size, log-mean-exp.
+    resample: multinomial, stratified and systematic ancestor indices.
+    sinkhorn: batched log-domain entropic optimal transport with implicit gradients.
+    kalman: Kalman predict/update/RTS steps and the exact log-evidence.
+"""

@@ -1,0 +1,52 @@
+"""Importance weights in log space.
+
+Every function works on the last dimension of ``log_weights`` (the particle dimension) and
+broadcasts over any leading batch dimensions (independent filters).
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.ops.weights import normalize, ess
+    >>> lw, log_norm = normalize(torch.tensor([0.0, 0.0, 0.0, 0.0]))
+    >>> float(ess(lw))
+    4.0
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["normalize", "ess", "log_mean_exp"]
+
+
+def normalize(log_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Normalises log-weights over the last dimension.
+
+    Args:
+        log_weights: unnormalised log-weights, shape ``(..., N)``.
+
+    Returns:
+        ``(log_w, log_sum)``: normalised log-weights ``(..., N)`` with ``logsumexp(log_w) = 0``
+        and ``log_sum = logsumexp(log_weights)`` of shape ``(...)``.
+    """
+    log_sum = torch.logsumexp(log_weights, dim=-1)
+    return log_weights - log_sum.unsqueeze(-1), log_sum
+
+
+def ess(log_weights: Tensor) -> Tensor:
+    """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights.
+
+    Args:
+        log_weights: normalised log-weights, shape ``(..., N)``.
+
+    Returns:
+        ESS in ``[1, N]``, shape ``(...)``.
+    """
+    return torch.exp(-torch.logsumexp(2 * log_weights, dim=-1))
+
+
+def log_mean_exp(log_values: Tensor, dim: int = -1) -> Tensor:
+    """``log(mean(exp(log_values)))`` along ``dim``, computed stably."""
+    return torch.logsumexp(log_values, dim=dim) - math.log(log_values.shape[dim])
