@@ -36,11 +36,11 @@ The differentiable ensemble transform (Corenflos et al., 2021) built on it is
 :func:`ensemble_transform`.
 
 Example:
-    >>> import torch
-    >>> from pyro_smc.ops.sinkhorn import sinkhorn, transport_plan
+    >>> import math, torch
+    >>> from pyro_smc.ops.sinkhorn import sinkhorn, squared_distances, transport_plan
     >>> x = torch.randn(3, 5, 2, dtype=torch.float64)           # 3 problems, 5 points each
     >>> cost = squared_distances(x, x)
-    >>> log_a = torch.full((3, 5), -torch.log(torch.tensor(5.0, dtype=torch.float64)))
+    >>> log_a = torch.full((3, 5), -math.log(5), dtype=torch.float64)
     >>> log_b = torch.randn(3, 5, dtype=torch.float64).log_softmax(-1)
     >>> f, g = sinkhorn(cost, log_a, log_b, epsilon=0.1, threshold=1e-9, max_iter=2000)
     >>> plan = transport_plan(cost, log_a, log_b, f, g, 0.1)

@@ -1,0 +1,372 @@
+"""Differentiable sequential Monte Carlo: the successor of ``pyro.infer.SMCFilter``.
+
+A model is an object with ``init(state, *args)`` and ``step(state, *args)`` methods that call
+``pyro.sample``; ``state`` is a dict of tensors whose leading dimensions are the particle
+dimensions, written only by the model. A guide (proposal) has the same methods, reads ``state``
+and samples the model's latent sites. Without a guide the model's own transition is the proposal
+(a bootstrap filter). Every ``pyro.infer.SMCFilter`` model runs unchanged.
+
+One step at time ``t`` reads as its equation (MATH.md, section 1)::
+
+    propose x_t ~ q(. | x_{t-1}, y_t)                          (reparameterised where possible)
+    log omega = log f(x_t | x_{t-1}) + log g(y_t | x_t) - log q(x_t | x_{t-1}, y_t)
+    log p_hat(y_t | y_{1:t-1}) = logsumexp(log w_{t-1} + log omega)
+    log w_t = log w_{t-1} + log omega - log p_hat(y_t | y_{1:t-1})
+    resample the filters whose ESS fell below ess_threshold * N
+
+Log-weights and the running log-evidence keep their autograd graph, so with a differentiable
+resampler (:class:`~pyro_smc.resamplers.OTResampler`) ``log_evidence`` and the filtering means
+are differentiable in model and proposal parameters. ``num_filters`` independent filters run
+vectorised in one pass: the state then has leading dimensions ``(num_filters, num_particles)``
+(an outer ``pyro.plate("filters")``); with one filter it has ``(num_particles,)`` exactly as
+under ``SMCFilter``.
+
+Example:
+    >>> import torch
+    >>> from pyro_smc import SMC
+    >>> from pyro_smc.models import LinearGaussianSSM
+    >>> from pyro_smc.resamplers import OTResampler
+    >>> eye = torch.eye(2)
+    >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2), eye)
+    >>> _, ys = ssm.simulate(20)
+    >>> smc = SMC(ssm, num_particles=100, num_filters=4, resampler=OTResampler(epsilon=0.5))
+    >>> smc.run(ys).log_evidence.shape
+    torch.Size([4])
+    >>> smc.filtering_means["x"].shape                      # (T, num_filters, d)
+    torch.Size([20, 4, 2])
+
+Reference:
+    Corenflos, Thornton, Deligiannidis, Doucet (2021). Differentiable particle filtering via
+    entropy-regularized optimal transport. ICML.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+import torch
+from pyro.distributions.util import scale_and_mask
+from pyro.infer.smcfilter import SMCFailed
+from pyro.poutine.util import site_is_subsample
+from torch import Tensor
+
+from pyro_smc.ops.weights import ess as _ess
+from pyro_smc.resamplers import SystematicResampler
+
+__all__ = ["SMC", "SMCState", "SMCFailedError"]
+
+
+class SMCFailedError(SMCFailed):
+    """Every particle of a filter has zero weight (or the weights are NaN).
+
+    A ``ValueError`` (through ``pyro.infer.smcfilter.SMCFailed``), so code that catches Pyro's
+    exception catches this one too.
+    """
+
+
+class SMCState(dict):
+    """The particle state: a dict of tensors that only the model may write."""
+
+    def __init__(self):
+        super().__init__()
+        self._locked = False
+
+    @contextlib.contextmanager
+    def _lock(self):
+        self._locked = True
+        try:
+            yield
+        finally:
+            self._locked = False
+
+    def __setitem__(self, key, value):
+        if self._locked:
+            raise RuntimeError("Guide cannot write to SMC state; only the model may")
+        super().__setitem__(key, value)
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+class SMC:
+    """Differentiable, vectorised particle filter over Pyro ``init``/``step`` models.
+
+    Args:
+        model: object with ``init(state, *args)`` and ``step(state, *args)`` Pyro methods.
+        guide: proposal with the same methods, or ``None`` for the bootstrap filter.
+        num_particles: particles per filter, ``N >= 1``.
+        resampler: a resampler from :mod:`pyro_smc.resamplers`; default systematic.
+        ess_threshold: resample a filter when its ESS falls below ``ess_threshold * N``;
+            in ``(0, 1]``.
+        num_filters: independent filters ``B`` run in one vectorised pass.
+        max_plate_nesting: number of plates the model uses inside a step (as in SMCFilter).
+
+    Attributes:
+        state: the particle state (:class:`SMCState`).
+        log_weights: normalised log-weights, shape ``(B, N)``.
+        log_evidence: ``log Z_hat``, shape ``(B,)``, differentiable.
+        ess: effective sample size after the last weighting, shape ``(B,)``.
+        filtering_means: dict of ``(T, B, *event)`` weighted means per floating state key,
+            one row per ``step`` (taken before resampling).
+        ess_history: ``(T, B)``; resampled: ``(T, B)`` bool.
+    """
+
+    def __init__(
+        self,
+        model,
+        guide=None,
+        *,
+        num_particles: int,
+        resampler: Callable | None = None,
+        ess_threshold: float = 0.5,
+        num_filters: int = 1,
+        max_plate_nesting: int = 0,
+    ):
+        self.num_particles = _check_positive_int("num_particles", num_particles)
+        self.num_filters = _check_positive_int("num_filters", num_filters)
+        if isinstance(max_plate_nesting, bool) or not isinstance(max_plate_nesting, int) or max_plate_nesting < 0:
+            raise ValueError(f"max_plate_nesting must be an integer >= 0, got {max_plate_nesting!r}")
+        if not (isinstance(ess_threshold, (int, float)) and 0 < ess_threshold <= 1):
+            raise ValueError(f"ess_threshold must lie in (0, 1], got {ess_threshold!r}")
+        for name, obj in (("model", model), ("guide", guide)):
+            if obj is not None and not (callable(getattr(obj, "init", None)) and callable(getattr(obj, "step", None))):
+                raise ValueError(f"{name} must have init(state, ...) and step(state, ...) methods")
+        if resampler is not None and not callable(resampler):
+            raise ValueError(f"resampler must be callable (particles, log_weights), got {resampler!r}")
+        self.model = model
+        self.guide = guide
+        self.resampler = resampler if resampler is not None else SystematicResampler()
+        self.ess_threshold = float(ess_threshold)
+        self.max_plate_nesting = max_plate_nesting
+        self.state = SMCState()
+        self._reset()
+
+    # --- public loop --------------------------------------------------------------------------
+    @property
+    def _particle_shape(self) -> tuple[int, ...]:
+        if self.num_filters > 1:
+            return (self.num_filters, self.num_particles)
+        return (self.num_particles,)
+
+    def _reset(self) -> None:
+        self.state = SMCState()
+        self._t = 0
+        self._initialized = False
+        self.log_weights: Tensor | None = None
+        self.log_evidence: Tensor | None = None
+        self.ess: Tensor | None = None
+        self._means: dict[str, list[Tensor]] = {}
+        self._ess_history: list[Tensor] = []
+        self._resampled: list[Tensor] = []
+        mpn = self.max_plate_nesting
+        self._plates = [pyro.plate("particles", self.num_particles, dim=-1 - mpn)]
+        if self.num_filters > 1:
+            self._plates.insert(0, pyro.plate("filters", self.num_filters, dim=-2 - mpn))
+
+    def init(self, *args, **kwargs) -> SMC:
+        """Starts new filters: runs ``model.init`` (and ``guide.init``) on fresh particles."""
+        self._reset()
+        _check_finite_args(args, kwargs, "init")
+        self._propagate(self.model.init, self.guide.init if self.guide is not None else None, args, kwargs, "init")
+        self._initialized = True
+        return self
+
+    def step(self, *args, **kwargs) -> SMC:
+        """Advances every filter by one time step: propose, reweight, maybe resample."""
+        if not self._initialized:
+            raise RuntimeError("SMC.step called before SMC.init")
+        _check_finite_args(args, kwargs, f"time step {self._t}")
+        self._propagate(self.model.step, self.guide.step if self.guide is not None else None, args, kwargs, f"time step {self._t}")
+        self._t += 1
+        return self
+
+    def run(self, observations: Tensor, *args, **kwargs) -> SMC:
+        """``init(*args)`` then ``step(observations[t], *args)`` for every leading-dim slice.
+
+        Args:
+            observations: tensor ``(T, ...)``; NaN or inf anywhere is an error naming the step.
+        """
+        if not isinstance(observations, Tensor):
+            raise ValueError(f"observations must be a tensor of shape (T, ...), got {type(observations).__name__}")
+        if observations.dim() == 0:
+            raise ValueError("observations must have a leading time dimension, got a scalar")
+        if observations.is_floating_point():
+            bad = ~torch.isfinite(observations.reshape(observations.shape[0], -1)).all(-1)
+            if bool(bad.any()):
+                t = int(bad.nonzero()[0, 0])
+                raise ValueError(f"observations contain NaN or inf at time step {t}")
+        self.init(*args, **kwargs)
+        for t in range(observations.shape[0]):
+            self.step(observations[t], *args, **kwargs)
+        return self
+
+    # --- results ------------------------------------------------------------------------------
+    @property
+    def filtering_means(self) -> dict[str, Tensor]:
+        return {key: torch.stack(values) for key, values in self._means.items()}
+
+    @property
+    def ess_history(self) -> Tensor:
+        return torch.stack(self._ess_history)
+
+    @property
+    def resampled(self) -> Tensor:
+        return torch.stack(self._resampled)
+
+    def get_empirical(self) -> dict[str, dist.Empirical]:
+        """The weighted particle approximation of each state tensor, as ``SMCFilter`` returns it.
+
+        Batch shape ``(B,)`` when ``num_filters > 1``, scalar otherwise.
+        """
+        log_w = self.log_weights if self.num_filters > 1 else self.log_weights[0]
+        return {key: dist.Empirical(value, log_w) for key, value in self.state.items()}
+
+    # --- one step -----------------------------------------------------------------------------
+    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str) -> None:
+        with poutine.block(hide_types=["sample"]), contextlib.ExitStack() as stack:
+            for plate in self._plates:
+                stack.enter_context(plate)
+            guide_trace = None
+            if guide_fn is not None:
+                with self.state._lock():
+                    guide_trace = poutine.trace(guide_fn).get_trace(self.state, *args, **kwargs)
+                model_fn = poutine.replay(model_fn, trace=guide_trace)
+            model_trace = poutine.trace(model_fn).get_trace(self.state, *args, **kwargs)
+        terms = self._log_weight_terms(model_trace, guide_trace)
+        self._check_state(where)
+        if not terms:
+            # Nothing was scored (e.g. an init that only sets up bookkeeping).
+            if self.log_weights is None and self.state:
+                self._init_weights(next(iter(self.state.values())))
+            if self.log_weights is not None:
+                self._record(where)
+            return
+        increment = terms[0][1]
+        for _, term in terms[1:]:
+            increment = increment + term
+        increment = increment.expand(self._particle_shape)
+        if self.num_filters == 1:
+            increment = increment.unsqueeze(0)
+        if self.log_weights is None:
+            self._init_weights(increment)
+        joint = self.log_weights + increment
+        log_norm = torch.logsumexp(joint, dim=-1)
+        if not bool(torch.isfinite(log_norm).all()):
+            raise self._failure(terms, where)
+        self.log_weights = joint - log_norm.unsqueeze(-1)
+        self.log_evidence = self.log_evidence + log_norm
+        self._record(where)
+
+    def _init_weights(self, like: Tensor) -> None:
+        dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
+        shape = (self.num_filters, self.num_particles)
+        self.log_weights = torch.full(shape, -math.log(self.num_particles), dtype=dtype, device=like.device)
+        self.log_evidence = torch.zeros(self.num_filters, dtype=dtype, device=like.device)
+
+    def _log_weight_terms(self, model_trace, guide_trace) -> list[tuple[str, Tensor]]:
+        """Per-site contributions to ``log omega``, each reduced to the particle shape."""
+        terms = []
+        for name, site in model_trace.nodes.items():
+            if site["type"] != "sample" or site_is_subsample(site):
+                continue
+            if site["is_observed"]:
+                terms.append((name, self._site_log_prob(site)))
+            elif guide_trace is not None and name in guide_trace.nodes:
+                log_q = self._site_log_prob(guide_trace.nodes[name])
+                terms.append((name, self._site_log_prob(site) - log_q))
+            # A latent site drawn from the model's own prior contributes p / p = 1.
+        if guide_trace is not None:
+            for name, site in guide_trace.nodes.items():
+                if site["type"] == "sample" and not site_is_subsample(site) and name not in model_trace.nodes:
+                    raise ValueError(f"guide samples site '{name}' that the model does not have")
+        return terms
+
+    def _site_log_prob(self, site: dict) -> Tensor:
+        log_p = site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
+        log_p = scale_and_mask(log_p, site["scale"], site["mask"])
+        if not isinstance(log_p, Tensor):
+            log_p = torch.as_tensor(log_p)
+        mpn = self.max_plate_nesting
+        # Sum the model's own plates (right of the particle dims) into one number per particle.
+        if mpn and log_p.dim() > 0:
+            log_p = log_p.reshape(log_p.shape[: max(log_p.dim() - mpn, 0)] + (-1,)).sum(-1)
+        if log_p.dim() > len(self._particle_shape):
+            raise ValueError(
+                f"site '{site['name']}' has batch shape {tuple(site['fn'].batch_shape)}: dims left of the "
+                f"particle plate; set max_plate_nesting (now {mpn}) to the number of plates the model uses"
+            )
+        return log_p
+
+    def _failure(self, terms, where: str) -> SMCFailedError:
+        total = 0
+        culprit = terms[-1][0]
+        for name, term in terms:
+            total = total + term.expand(self._particle_shape).reshape(self.num_filters, self.num_particles)
+            bad = torch.isnan(total).any(-1) | ~(total.max(-1).values > -math.inf)
+            if bool(bad.any()):
+                culprit = name
+                break
+        return SMCFailedError(
+            f"SMC failed at {where}: every particle of a filter has zero weight (or NaN weights) after site '{culprit}'"
+        )
+
+    def _check_state(self, where: str) -> None:
+        shape = self._particle_shape
+        for key, value in self.state.items():
+            if not isinstance(value, Tensor):
+                raise ValueError(f"state['{key}'] must be a tensor, got {type(value).__name__} at {where}")
+            if tuple(value.shape[: len(shape)]) != shape:
+                raise ValueError(
+                    f"state['{key}'] has shape {tuple(value.shape)} at {where}, but every state tensor must have "
+                    f"leading particle dims {shape}; sample it inside the particle plate (or expand it)"
+                )
+
+    def _batched_state(self) -> dict[str, Tensor]:
+        if self.num_filters > 1:
+            return dict(self.state)
+        return {key: value.unsqueeze(0) for key, value in self.state.items()}
+
+    def _record(self, where: str) -> None:
+        log_w = self.log_weights
+        ess = _ess(log_w.detach())
+        self.ess = ess
+        if where != "init":
+            w = log_w.exp()
+            for key, value in self._batched_state().items():
+                if value.is_floating_point():
+                    flat = value.reshape(value.shape[:2] + (-1,))
+                    mean = (w.unsqueeze(-2) @ flat.to(w.dtype)).squeeze(-2)
+                    self._means.setdefault(key, []).append(mean.reshape((self.num_filters,) + value.shape[2:]))
+            self._ess_history.append(ess)
+        need = ess < self.ess_threshold * self.num_particles
+        if self.state and bool(need.any()):
+            self._resample(need)
+        if where != "init":
+            self._resampled.append(need if self.state else torch.zeros_like(need))
+
+    def _resample(self, need: Tensor) -> None:
+        particles = self._batched_state()
+        if bool(need.all()):
+            new, new_log_w = self.resampler(particles, self.log_weights)
+        else:
+            idx = need.nonzero().squeeze(-1)
+            sub, sub_log_w = self.resampler({k: v[idx] for k, v in particles.items()}, self.log_weights[idx])
+            new = {k: particles[k].index_put((idx,), sub[k]) for k in particles}
+            new_log_w = self.log_weights.index_put((idx,), sub_log_w)
+        self.log_weights = new_log_w
+        for key, value in new.items():
+            dict.__setitem__(self.state, key, value if self.num_filters > 1 else value.squeeze(0))
+
+
+def _check_finite_args(args, kwargs, where: str) -> None:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"observation at {where} contains NaN or inf")

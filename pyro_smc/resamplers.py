@@ -1,0 +1,177 @@
+"""Resamplers: weighted particles in, (re)weighted particles out, all with one signature.
+
+Every resampler is a callable::
+
+    resampler(particles: dict[str, Tensor], log_weights: Tensor) -> (dict[str, Tensor], Tensor)
+
+``log_weights`` are normalised over their last dimension (the particle dimension, size ``N``);
+its leading dimensions are independent filters. Each state tensor has shape
+``log_weights.shape + event_shape``. The returned log-weights are normalised.
+
+* :class:`MultinomialResampler`, :class:`StratifiedResampler`, :class:`SystematicResampler`:
+  unbiased index resampling; gradients flow through the selected particles (pathwise) but not
+  through the choice of ancestors, so the resampling terms of the score are dropped.
+* :class:`SoftResampler`: Karkus et al. (2018); keeps part of the weight gradient.
+* :class:`OTResampler`: the differentiable ensemble transform of Corenflos et al. (2021), an
+  entropy-regularised optimal-transport map that is smooth in particles and weights.
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.resamplers import OTResampler
+    >>> particles = {"x": torch.randn(4, 100, 2)}               # 4 filters, 100 particles
+    >>> log_w = torch.randn(4, 100).log_softmax(-1)
+    >>> new, new_log_w = OTResampler(epsilon=0.5)(particles, log_w)
+    >>> new["x"].shape, bool(torch.allclose(new_log_w.exp().sum(-1), torch.ones(4)))
+    (torch.Size([4, 100, 2]), True)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from pyro_smc.ops import resample as _resample
+from pyro_smc.ops.sinkhorn import GRADIENT_MODES, ensemble_transform
+
+__all__ = [
+    "Resampler",
+    "MultinomialResampler",
+    "StratifiedResampler",
+    "SystematicResampler",
+    "SoftResampler",
+    "OTResampler",
+]
+
+Particles = dict[str, Tensor]
+
+
+def _gather(particles: Particles, index: Tensor) -> Particles:
+    """Selects ancestors ``index`` (shape ``(..., N)``) along the particle dimension."""
+    out = {}
+    for key, value in particles.items():
+        idx = index.reshape(index.shape + (1,) * (value.dim() - index.dim())).expand(index.shape + value.shape[index.dim() :])
+        out[key] = value.gather(index.dim() - 1, idx)
+    return out
+
+
+class Resampler:
+    """Base class. Subclasses implement ``__call__(particles, log_weights)``."""
+
+    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+class _IndexResampler(Resampler):
+    _scheme = staticmethod(_resample.systematic)
+
+    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+        index = self._scheme(log_weights)
+        n = log_weights.shape[-1]
+        return _gather(particles, index), torch.full_like(log_weights, -math.log(n))
+
+
+class MultinomialResampler(_IndexResampler):
+    """Multinomial resampling: ancestors drawn i.i.d. from the weights."""
+
+    _scheme = staticmethod(_resample.multinomial)
+
+
+class StratifiedResampler(_IndexResampler):
+    """Stratified resampling: one uniform per stratum ``[(i-1)/N, i/N)``."""
+
+    _scheme = staticmethod(_resample.stratified)
+
+
+class SystematicResampler(_IndexResampler):
+    """Systematic resampling: one shared uniform; lowest variance of the three (the default)."""
+
+    _scheme = staticmethod(_resample.systematic)
+
+
+def _check_unit_interval(name: str, value: float) -> float:
+    if not (isinstance(value, (int, float)) and 0 < value <= 1):
+        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
+    return float(value)
+
+
+class SoftResampler(Resampler):
+    """Soft resampling (Karkus et al., 2018).
+
+    Ancestors are drawn from ``alpha * w + (1 - alpha) / N``; the new weights
+    ``w_A / (alpha w_A + (1 - alpha) / N)``, renormalised, keep a gradient with respect to the old
+    ones. ``alpha = 1`` is multinomial resampling.
+
+    Args:
+        alpha: mixing weight in ``(0, 1]``.
+    """
+
+    def __init__(self, alpha: float = 0.5):
+        self.alpha = _check_unit_interval("alpha", alpha)
+
+    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+        n = log_weights.shape[-1]
+        log_mix = torch.logaddexp(log_weights + math.log(self.alpha), torch.full_like(log_weights, math.log1p(-self.alpha) - math.log(n)))
+        index = _resample.multinomial(log_mix)
+        new_log_w = (log_weights - log_mix).gather(-1, index)
+        return _gather(particles, index), new_log_w - new_log_w.logsumexp(-1, keepdim=True)
+
+
+class OTResampler(Resampler):
+    """Differentiable ensemble transform by entropy-regularised optimal transport.
+
+    All floating-point state tensors are flattened per particle and concatenated into one point
+    cloud, transported jointly with the scale normalisation of Corenflos et al. (2021), and
+    split back. Integer state tensors cannot be averaged: each takes the value of the
+    particle's most likely ancestor under the plan (not differentiable). Weighted means are
+    preserved; the output is equally weighted.
+
+    Args:
+        epsilon: regularisation on the normalised cost scale, ``> 0``; smaller is closer to
+            exact OT (less bias, stiffer gradients, more iterations).
+        scaling: epsilon annealing factor in ``[0, 1)``; 0 switches annealing off.
+        threshold: stop once the L1 marginal error of the plan is below this.
+        max_iter: maximum Sinkhorn iterations at the final epsilon.
+        gradient: ``"implicit"`` (exact, default), ``"unroll"`` or ``"last_step"`` (approximate).
+    """
+
+    def __init__(self, epsilon: float = 0.5, scaling: float = 0.75, threshold: float = 1e-3, max_iter: int = 100, gradient: str = "implicit"):
+        if not (isinstance(epsilon, (int, float)) and epsilon > 0 and math.isfinite(epsilon)):
+            raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        if not 0 <= scaling < 1:
+            raise ValueError(f"scaling must lie in [0, 1), got {scaling!r}")
+        if not threshold > 0:
+            raise ValueError(f"threshold must be > 0, got {threshold!r}")
+        if int(max_iter) < 1:
+            raise ValueError(f"max_iter must be >= 1, got {max_iter!r}")
+        if gradient not in GRADIENT_MODES:
+            raise ValueError(f"gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
+        self.epsilon = float(epsilon)
+        self.scaling = float(scaling)
+        self.threshold = float(threshold)
+        self.max_iter = int(max_iter)
+        self.gradient = gradient
+
+    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+        batch = log_weights.shape
+        floats = {k: v for k, v in particles.items() if v.is_floating_point()}
+        if not floats:
+            raise ValueError("OTResampler needs at least one floating-point state tensor")
+        flat = [v.reshape(batch + (-1,)) for v in floats.values()]
+        x = torch.cat(flat, -1) if len(flat) > 1 else flat[0]
+        x = x.to(log_weights.dtype) if x.dtype != log_weights.dtype else x
+        x_new, plan = ensemble_transform(x, log_weights, self.epsilon, self.scaling, self.threshold, self.max_iter, self.gradient)
+        out, start = {}, 0
+        for (key, value), piece in zip(floats.items(), flat):
+            width = piece.shape[-1]
+            out[key] = x_new[..., start : start + width].reshape(value.shape).to(value.dtype)
+            start += width
+        others = {k: v for k, v in particles.items() if k not in floats}
+        if others:
+            out.update(_gather(others, plan.detach().argmax(-1)))
+        return out, torch.full_like(log_weights, -math.log(batch[-1]))
