@@ -52,6 +52,7 @@ import pyro.poutine as poutine
 import torch
 from pyro.distributions.util import scale_and_mask
 from pyro.infer.smcfilter import SMCFailed
+from pyro.nn import PyroModule
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
@@ -181,9 +182,12 @@ class SMC:
 
     def step(self, *args, **kwargs) -> SMC:
         """Advances every filter by one time step: propose, reweight, maybe resample."""
+        _check_finite_args(args, kwargs, f"time step {self._t}")
+        return self._step(args, kwargs)
+
+    def _step(self, args, kwargs) -> SMC:
         if not self._initialized:
             raise RuntimeError("SMC.step called before SMC.init")
-        _check_finite_args(args, kwargs, f"time step {self._t}")
         self._propagate(self.model.step, self.guide.step if self.guide is not None else None, args, kwargs, f"time step {self._t}")
         self._t += 1
         return self
@@ -205,7 +209,8 @@ class SMC:
                 raise ValueError(f"observations contain NaN or inf at time step {t}")
         self.init(*args, **kwargs)
         for t in range(observations.shape[0]):
-            self.step(observations[t], *args, **kwargs)
+            # Observations were checked above, all at once.
+            self._step((observations[t],) + args, kwargs)
         return self
 
     # --- results ------------------------------------------------------------------------------
@@ -232,6 +237,12 @@ class SMC:
     # --- one step -----------------------------------------------------------------------------
     def _propagate(self, model_fn, guide_fn, args, kwargs, where: str) -> None:
         with poutine.block(hide_types=["sample"]), contextlib.ExitStack() as stack:
+            # A PyroModule's PyroParams reach the param store (and so SVI) only inside the
+            # module's context, which Pyro enters in forward() or @pyro_method; init/step are
+            # plain methods, so enter it here.
+            for obj in (self.model, self.guide):
+                if isinstance(obj, PyroModule):
+                    stack.enter_context(obj._pyro_context)
             for plate in self._plates:
                 stack.enter_context(plate)
             guide_trace = None

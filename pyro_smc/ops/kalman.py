@@ -41,13 +41,18 @@ class SmootherResult(NamedTuple):
     covariances: Tensor  # (T, d, d)
 
 
+def _mv(matrix: Tensor, vector: Tensor) -> Tensor:
+    # Batched matrix-vector product that broadcasts batch dims of both sides.
+    return (matrix @ vector.unsqueeze(-1)).squeeze(-1)
+
+
 def _symmetrize(m: Tensor) -> Tensor:
     return (m + m.transpose(-1, -2)) / 2
 
 
 def predict(mean: Tensor, cov: Tensor, A: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
     """``p(x_t | y_{1:t-1})`` from ``p(x_{t-1} | y_{1:t-1})``: ``(A m, A P A^T + Q)``."""
-    return mean @ A.transpose(-1, -2), _symmetrize(A @ cov @ A.transpose(-1, -2) + Q)
+    return _mv(A, mean), _symmetrize(A @ cov @ A.transpose(-1, -2) + Q)
 
 
 def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,10 +63,10 @@ def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[
     """
     S = _symmetrize(C @ cov @ C.transpose(-1, -2) + R)
     L = torch.linalg.cholesky(S)
-    resid = y - mean @ C.transpose(-1, -2)
+    resid = y - _mv(C, mean)
     # K^T = S^{-1} C P, computed by two triangular solves.
     gain_t = torch.cholesky_solve(C @ cov, L)
-    new_mean = mean + (resid.unsqueeze(-2) @ gain_t).squeeze(-2)
+    new_mean = mean + _mv(gain_t.transpose(-1, -2), resid)
     new_cov = _symmetrize(cov - (C @ cov).transpose(-1, -2) @ gain_t)
     z = torch.linalg.solve_triangular(L, resid.unsqueeze(-1), upper=False).squeeze(-1)
     dim = y.shape[-1]
@@ -78,13 +83,16 @@ def smooth_step(
     """
     # G = P_t A^T P_pred^{-1}
     gain = torch.linalg.solve(pred_cov, A @ filt_cov).transpose(-1, -2)
-    mean = filt_mean + ((next_mean - pred_mean).unsqueeze(-2) @ gain.transpose(-1, -2)).squeeze(-2)
+    mean = filt_mean + _mv(gain, next_mean - pred_mean)
     cov = _symmetrize(filt_cov + gain @ (next_cov - pred_cov) @ gain.transpose(-1, -2))
     return mean, cov
 
 
 def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_mean: Tensor, init_cov: Tensor) -> FilterResult:
     """Runs the Kalman filter over observations ``ys`` of shape ``(T, dy)``.
+
+    Model matrices may carry leading batch dimensions (e.g. a grid of parameters), which
+    broadcast through every output: ``means`` is then ``(T, *batch, d)``.
 
     ``init_mean, init_cov`` are the prior of ``x_1`` (the state of the first observation).
     """

@@ -94,8 +94,13 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
 
 
 def _epsilon_schedule(cost: Tensor, epsilon: float, scaling: float) -> list[float]:
-    """Annealing levels ``eps0 * scaling^k > epsilon`` with ``eps0 = max C`` (empty if off)."""
-    eps0 = float(cost.detach().max())
+    """Annealing levels ``eps0 * scaling^k > epsilon`` (empty if off).
+
+    ``eps0`` is the mean cost: the scale at which the kernel is nearly flat. The maximum, the
+    textbook start, is set by a few outlying pairs; starting there cost 12-14 extra passes over
+    the kernel on particle clouds at epsilon = 0.5 and bought no iterations (benchmarks/).
+    """
+    eps0 = float(cost.detach().mean())
     if not math.isfinite(eps0):
         raise ValueError("sinkhorn: the cost matrix has non-finite entries")
     if eps0 <= epsilon or not 0 < scaling < 1:
@@ -109,10 +114,13 @@ def _log_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
 
 
 def _rowsum(kernel: Tensor, v: Tensor) -> Tensor:
-    return (kernel @ v.unsqueeze(-1)).squeeze(-1)
+    """``K v`` batched. Written as ``v^T K^T``: on CPU the row-vector form of a batched mat-vec
+    is several times faster than ``K @ v[..., None]`` (measured 9x at 32 x 100 x 100)."""
+    return (v.unsqueeze(-2) @ kernel.transpose(-1, -2)).squeeze(-2)
 
 
 def _colsum(kernel: Tensor, u: Tensor) -> Tensor:
+    """``K^T u`` batched."""
     return (u.unsqueeze(-2) @ kernel).squeeze(-2)
 
 
@@ -174,17 +182,19 @@ def _solve_loop(
         kv = _rowsum(kernel, b * v_new)
         err = (a * (u * kv - 1).abs()).sum(-1)
         u_new = 1 / kv
-        unstable = ~(u_new.abs() < _BIG).all(-1) | ~(v_new.abs() < _BIG).all(-1) | ~(u_new > 1 / _BIG).all(-1)
         if compact:
             u, v = u_new, v_new
         else:
             frozen = (err < threshold).unsqueeze(-1)
             u, v = torch.where(frozen, u, u_new), torch.where(frozen, v, v_new)
-        if bool(unstable.any()):
+        # Overflowing scalings show up as a non-finite error; large ones are absorbed early.
+        if not bool(torch.isfinite(err).all()) or (iters % 10 == 0 and float(torch.maximum(u.detach().abs().max(), v.detach().abs().max())) > _BIG):
             g = g + eps * torch.log(v)
+            g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
             f = f - eps * torch.logsumexp(_log_kernel(cost, f, g, eps) + log_b.unsqueeze(-2), dim=-1)
             kernel = torch.exp(_log_kernel(cost, f, g, eps))
             u, v = torch.ones_like(u), torch.ones_like(v)
+            err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))
         done = err < threshold
         if compact:
             if bool(done.any()):
@@ -223,9 +233,7 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
         return torch.linalg.solve(mat, rhs.unsqueeze(-1)).squeeze(-1)
 
     def matvec(v: Tensor) -> Tensor:
-        kv = (kernel @ v.unsqueeze(-1)).squeeze(-1)
-        ktkv = (kernel.transpose(-1, -2) @ kv.unsqueeze(-1)).squeeze(-1)
-        return v - ktkv + s * (s * v).sum(-1, keepdim=True)
+        return v - _colsum(kernel, _rowsum(kernel, v)) + s * (s * v).sum(-1, keepdim=True)
 
     x = torch.zeros_like(rhs)
     r = rhs.clone()
@@ -273,12 +281,12 @@ class _ImplicitSinkhorn(torch.autograd.Function):
         sqrt_a, sqrt_b = half_a.exp(), half_b.exp()
         r_f = grad_f / sqrt_a
         r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
-        kt_rf = (kernel.transpose(-1, -2) @ r_f.unsqueeze(-1)).squeeze(-1)
-        beta = _adjoint_solve(kernel, sqrt_b, r_g - kt_rf, ctx.tol * 1e-4)
-        alpha = r_f - (kernel @ beta.unsqueeze(-1)).squeeze(-1)
+        beta = _adjoint_solve(kernel, sqrt_b, r_g - _colsum(kernel, r_f), ctx.tol * 1e-4)
+        k_beta = _rowsum(kernel, beta)
+        alpha = r_f - k_beta
         grad_cost = kernel * (alpha.unsqueeze(-1) * sqrt_b.unsqueeze(-2) + sqrt_a.unsqueeze(-1) * beta.unsqueeze(-2))
-        grad_log_a = -eps * sqrt_a * (kernel @ beta.unsqueeze(-1)).squeeze(-1)
-        grad_log_b = -eps * sqrt_b * (kernel.transpose(-1, -2) @ alpha.unsqueeze(-1)).squeeze(-1)
+        grad_log_a = -eps * sqrt_a * k_beta
+        grad_log_b = -eps * sqrt_b * _colsum(kernel, alpha)
         return grad_cost, _unbroadcast(grad_log_a, ctx, 1), _unbroadcast(grad_log_b, ctx, 2), None, None, None, None
 
 

@@ -1,0 +1,128 @@
+"""Shared helpers for the benchmark scripts: timing, machine info, result files.
+
+Not a benchmark itself. Every script in this folder imports it as ``_common`` (the folder is
+``sys.path[0]`` when a script is run as ``python benchmarks/<name>.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_common_args(parser) -> None:
+    """``--quick`` and ``--threads`` (default 1: on a shared, oversubscribed machine multi-threaded
+    torch makes even 2x2 ops stall on thread barriers, which swamps what is being measured)."""
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+
+
+def setup(args) -> None:
+    torch.set_num_threads(args.threads)
+
+
+def machine_info(dtype: torch.dtype | None = None) -> dict:
+    import pyro
+
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "pyro": pyro.__version__,
+        "dtype": str(dtype if dtype is not None else torch.get_default_dtype()),
+        "device": "cpu",
+        "load_average_at_write": load_average(),
+    }
+    try:
+        import ot
+
+        info["pot"] = ot.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def command() -> str:
+    return " ".join(["python"] + sys.argv)
+
+
+def timeit(fn, repeats: int = 5, warmup: int = 1) -> dict:
+    """Median (and min/max) wall time of ``fn()`` in seconds over ``repeats`` runs after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats}
+
+
+def timeit_interleaved(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
+    """Like :func:`timeit` for several functions, alternating them within each repeat.
+
+    Interleaving spreads slow drifts of machine load (other processes) evenly over the
+    contenders, so their ratios stay meaningful on a shared machine.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {
+        name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "repeats": repeats}
+        for name, ts in times.items()
+    }
+
+
+def load_average() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:  # pragma: no cover
+        return None
+
+
+def write_results(name: str, payload: dict, dtype: torch.dtype | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if "--quick" in sys.argv:
+        name = f"{name}.quick"  # smoke runs never overwrite the full results
+    out = {"benchmark": name, "command": command(), "machine": machine_info(dtype), **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(out, indent=2, default=float) + "\n")
+    print(f"\nwrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+    return path
+
+
+def print_table(headers: list[str], rows: list[list], title: str | None = None) -> None:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        if value == 0 or 1e-3 <= abs(value) < 1e5:
+            return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+        return f"{value:.2e}"
+    return str(value)

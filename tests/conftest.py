@@ -1,0 +1,37 @@
+"""Shared test configuration: float64 by default, fixed seeds, ``--device``, ``--runslow``."""
+
+import pyro
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="torch device for tests that accept one (cpu, cuda)")
+    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: pass --runslow to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _defaults():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture
+def device(request):
+    name = request.config.getoption("--device")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    return torch.device(name)

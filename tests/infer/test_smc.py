@@ -1,0 +1,356 @@
+"""SMC against exact answers (Kalman) on the paper's linear-Gaussian model, and its contract."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import SMCFilter
+
+from pyro_smc import SMC
+from pyro_smc.infer.smc import SMCFailedError
+from pyro_smc.models import LinearGaussianSSM
+from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
+from tests.infer.paper_model import DiagLinearGaussian, kalman_log_evidence, simulate
+from tests.tolerances import MC_SIGMAS
+
+T = 150
+
+
+def _lgssm(theta=0.5, d=2):
+    eye = torch.eye(d)
+    return LinearGaussianSSM(theta * eye, eye, eye, 0.1 * eye, torch.zeros(d), eye)
+
+
+@pytest.fixture(scope="module")
+def paper_data():
+    torch.set_default_dtype(torch.float64)
+    return simulate([0.5, 0.5], T, seed=0)
+
+
+# --- accuracy against Kalman --------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1])
+def test_log_evidence_gap_at_paper_scale_and_ot_matches_multinomial(paper_data, seed):
+    """Table 1 of Corenflos et al.: with N = 25 the gap (log Z_hat - log p) / T is about -1 nat;
+    the OT filter is within 0.03 nats/step of the multinomial one (tested as a statistical claim:
+    |difference| < 0.03 + 3 standard errors)."""
+    _, ys = paper_data
+    ssm = _lgssm(0.5)
+    exact = ssm.log_evidence(ys)
+    gaps = {}
+    for name, resampler in [("multinomial", MultinomialResampler()), ("ot", OTResampler(0.5))]:
+        pyro.set_rng_seed(seed)
+        with torch.no_grad():
+            smc = SMC(ssm, num_particles=25, num_filters=300, resampler=resampler).run(ys)
+        gaps[name] = (smc.log_evidence - exact) / T
+    for gap in gaps.values():
+        assert -1.5 < gap.mean() < -0.8
+    se = math.sqrt(sum(g.var() / g.numel() for g in gaps.values()))
+    assert abs(gaps["ot"].mean() - gaps["multinomial"].mean()) < 0.03 + 3 * se
+
+
+def test_log_evidence_gap_shrinks_with_particles(paper_data):
+    _, ys = paper_data
+    ssm = _lgssm(0.5)
+    exact = ssm.log_evidence(ys)
+    means = []
+    for n in (25, 100, 400):
+        with torch.no_grad():
+            smc = SMC(ssm, num_particles=n, num_filters=50).run(ys)
+        gap = (smc.log_evidence - exact) / T
+        means.append((gap.mean(), gap.std() / math.sqrt(gap.numel())))
+    for (m_small, s_small), (m_big, s_big) in zip(means, means[1:]):
+        assert m_big - m_small > MC_SIGMAS * math.hypot(s_small, s_big)
+    assert means[-1][0] < 0  # Jensen: E[log Z_hat] < log p for an unbiased Z_hat
+
+
+@pytest.mark.parametrize("resampler", [SystematicResampler(), OTResampler(0.25)], ids=["systematic", "ot"])
+def test_filtering_means_match_kalman(resampler):
+    """Filtering means averaged over independent filters agree with Kalman within Monte Carlo
+    error (5 sigma over the filters' spread, every time step and coordinate)."""
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(20)
+    kalman = ssm.kalman_filter(ys).means
+    pyro.set_rng_seed(1)
+    with torch.no_grad():
+        smc = SMC(ssm, num_particles=300, num_filters=20, resampler=resampler).run(ys)
+    means = smc.filtering_means["x"]  # (T, B, d)
+    est, se = means.mean(1), means.std(1) / math.sqrt(means.shape[1])
+    # A floor for time steps where the filters agree to rounding.
+    assert ((est - kalman).abs() < MC_SIGMAS * se + 1e-3).all()
+
+
+def test_ot_gradient_is_far_closer_to_kalman_score(paper_data):
+    """At theta = (0.75, 0.75) the OT filter's gradient of mean log Z_hat is far closer to the
+    exact score than that of systematic resampling, which drops the resampling terms."""
+    _, ys = paper_data
+    theta = torch.tensor([0.75, 0.75], requires_grad=True)
+    (score,) = torch.autograd.grad(kalman_log_evidence(theta, ys), theta)
+    errors = {}
+    for name, resampler in [("systematic", SystematicResampler()), ("ot", OTResampler(0.5))]:
+        pyro.set_rng_seed(0)
+        theta = torch.tensor([0.75, 0.75], requires_grad=True)
+        smc = SMC(DiagLinearGaussian(theta, learnable=False), num_particles=200, num_filters=8, resampler=resampler).run(ys)
+        (grad,) = torch.autograd.grad(smc.log_evidence.mean(), theta)
+        errors[name] = (grad - score).norm().item()
+    print(f"|grad - score|: OT {errors['ot']:.1f}, systematic {errors['systematic']:.1f}, |score| {score.norm():.1f}")
+    assert errors["ot"] < 0.5 * errors["systematic"]
+
+
+def test_svi_with_smcelbo_lands_near_kalman_mle(paper_data):
+    from pyro.infer import SVI
+
+    from pyro_smc import SMCELBO
+    from tests.infer.paper_model import kalman_mle
+
+    _, ys = paper_data
+    mle = kalman_mle(ys)
+    model = DiagLinearGaussian([0.25, 0.25])
+    svi = SVI(model, None, pyro.optim.Adam({"lr": 0.1}), loss=SMCELBO(num_particles=25, num_filters=8, resampler=OTResampler(0.5)))
+    path = []
+    for _ in range(60):
+        svi.step(ys)
+        path.append(model.theta.detach().clone())
+    estimate = torch.stack(path[30:]).mean(0)  # Polyak average of the second half
+    assert (estimate - mle).abs().max() < 0.1, (estimate, mle)
+    assert "theta" in pyro.get_param_store()
+
+
+# --- Pyro compatibility -------------------------------------------------------------------------
+class HarmonicModel:
+    """Pyro's SMCFilter test model (simple harmonic oscillator), written for SMCFilter."""
+
+    def __init__(self):
+        self.A = torch.tensor([[0.0, 1.0], [-1.0, 0.0]])
+        self.B = torch.tensor([3.0, 3.0])
+        self.sigma_z = torch.tensor(1.0)
+        self.sigma_y = torch.tensor(1.0)
+
+    def init(self, state, initial):
+        self.t = 0
+        state["z"] = pyro.sample("z_init", dist.Delta(initial, event_dim=1))
+
+    def step(self, state, y=None):
+        self.t += 1
+        state["z"] = pyro.sample(f"z_{self.t}", dist.Normal(state["z"].matmul(self.A), self.B * self.sigma_z).to_event(1))
+        y = pyro.sample(f"y_{self.t}", dist.Normal(state["z"][..., 0], self.sigma_y), obs=y)
+        return state["z"], y
+
+
+class HarmonicGuide:
+    def __init__(self, model):
+        self.model = model
+
+    def init(self, state, initial):
+        self.t = 0
+        pyro.sample("z_init", dist.Delta(initial, event_dim=1))
+
+    def step(self, state, y=None):
+        self.t += 1
+        # Proposal biased toward the observation.
+        h = state["z"].matmul(self.model.A)
+        s = self.model.B * self.model.sigma_z
+        mean = h.clone()
+        mean[..., 0] = (h[..., 0] / s[0] ** 2 + y / self.model.sigma_y**2) / (1 / s[0] ** 2 + 1 / self.model.sigma_y**2)
+        scale = s.clone()
+        scale[0] = (1 / s[0] ** 2 + 1 / self.model.sigma_y**2) ** -0.5
+        pyro.sample(f"z_{self.t}", dist.Normal(mean, scale).to_event(1))
+
+
+@pytest.mark.parametrize("use_guide", [False, True])
+def test_smcfilter_model_runs_unchanged_and_matches_kalman(use_guide):
+    model = HarmonicModel()
+    guide = HarmonicGuide(model) if use_guide else None
+    initial = torch.tensor([1.0, 0.0])
+    pyro.set_rng_seed(2)
+    ys = torch.randn(20) * 3
+    smc = SMC(model, guide, num_particles=2000, num_filters=10)
+    smc.init(initial=initial)
+    for y in ys:
+        smc.step(y)
+    # Exact answer: the same model as a Kalman filter (x_0 known, so prior of x_1 is N(A^T x0, Q)).
+    A = model.A.T
+    Q = torch.diag((model.B * model.sigma_z) ** 2)
+    C = torch.tensor([[1.0, 0.0]])
+    R = torch.eye(1)
+    from pyro_smc.ops.kalman import kalman_filter
+
+    kf = kalman_filter(ys.unsqueeze(-1), A, Q, C, R, A @ initial, Q)
+    means = smc.filtering_means["z"]  # (T, B, 2)
+    est, se = means.mean(1), means.std(1) / math.sqrt(means.shape[1])
+    assert ((est - kf.means).abs() < MC_SIGMAS * se + 2e-2).all()
+    lz = smc.log_evidence
+    assert abs(lz.mean() - kf.log_likelihoods.sum()) < MC_SIGMAS * lz.std() / math.sqrt(lz.numel()) + 0.05
+    # And Pyro's own SMCFilter runs the same objects.
+    if use_guide:
+        ref = SMCFilter(model, guide, num_particles=100, max_plate_nesting=0)
+        ref.init(initial=initial)
+        for y in ys[:3]:
+            ref.step(y)
+
+
+def test_get_empirical_and_shapes():
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(5)
+    one = SMC(ssm, num_particles=7).run(ys)
+    assert one.state["x"].shape == (7, 2)  # SMCFilter layout with one filter
+    assert one.log_evidence.shape == (1,)
+    emp = one.get_empirical()["x"]
+    assert emp.batch_shape == () and emp.event_shape == (2,)
+    many = SMC(ssm, num_particles=7, num_filters=3).run(ys)
+    assert many.state["x"].shape == (3, 7, 2)
+    assert many.log_evidence.shape == (3,)
+    assert many.ess.shape == (3,)
+    assert many.filtering_means["x"].shape == (5, 3, 2)
+    assert many.ess_history.shape == (5, 3) and many.resampled.shape == (5, 3)
+    assert many.get_empirical()["x"].batch_shape == (3,)
+
+
+def test_resampling_happens_only_in_filters_below_threshold():
+    class TwoRegimes:
+        """Filter 0 observes nothing informative, filter 1 a sharp observation."""
+
+        def init(self, state):
+            self.t = 0
+
+        def step(self, state, y):
+            x = pyro.sample(f"x_{self.t}", dist.Normal(0.0, 1.0))
+            state["x"] = x
+            scale = torch.tensor([[3.0], [0.1]])
+            pyro.sample(f"y_{self.t}", dist.Normal(x, scale), obs=y)
+            self.t += 1
+
+    pyro.set_rng_seed(0)
+    smc = SMC(TwoRegimes(), num_particles=50, num_filters=2, ess_threshold=0.5)
+    smc.init()
+    smc.step(torch.tensor(0.5))
+    resampled = smc.resampled[0]
+    assert resampled.tolist() == [False, True]
+    assert torch.allclose(smc.log_weights[1], torch.full((50,), -math.log(50)))
+    assert not torch.allclose(smc.log_weights[0], torch.full((50,), -math.log(50)))
+
+
+@pytest.mark.parametrize(
+    "resampler",
+    [MultinomialResampler(), StratifiedResampler(), SystematicResampler(), SoftResampler(0.5), OTResampler(0.5)],
+    ids=lambda r: type(r).__name__,
+)
+def test_every_resampler_runs_and_keeps_gradients(resampler):
+    theta = torch.tensor([0.5, 0.5], requires_grad=True)
+    _, ys = simulate([0.5, 0.5], 10, seed=3)
+    smc = SMC(DiagLinearGaussian(theta, learnable=False), num_particles=20, num_filters=2, resampler=resampler, ess_threshold=1.0).run(ys)
+    assert smc.resampled.any()
+    (grad,) = torch.autograd.grad(smc.log_evidence.sum(), theta)
+    assert torch.isfinite(grad).all() and (grad != 0).all()
+
+
+def test_float32_runs():
+    torch.set_default_dtype(torch.float32)
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(20)
+    smc = SMC(ssm, num_particles=50, num_filters=2, resampler=OTResampler(0.5)).run(ys)
+    assert smc.log_evidence.dtype == torch.float32
+    assert torch.isfinite(smc.log_evidence).all()
+
+
+def test_device(device):
+    eye = torch.eye(2, device=device)
+    ssm = LinearGaussianSSM(0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2, device=device), eye)
+    _, ys = ssm.simulate(5)
+    smc = SMC(ssm, num_particles=10, num_filters=2, resampler=OTResampler(0.5)).run(ys)
+    assert smc.log_evidence.device.type == device.type
+
+
+# --- bad input ----------------------------------------------------------------------------------
+def test_nan_and_inf_observations_name_the_step():
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(6)
+    for bad in (math.nan, math.inf):
+        ys_bad = ys.clone()
+        ys_bad[4, 1] = bad
+        with pytest.raises(ValueError, match="time step 4"):
+            SMC(ssm, num_particles=5).run(ys_bad)
+    smc = SMC(ssm, num_particles=5)
+    smc.init()
+    smc.step(ys[0])
+    with pytest.raises(ValueError, match="time step 1"):
+        smc.step(ys_bad[4])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_particles=0), "num_particles"),
+        (dict(num_particles=2.5), "num_particles"),
+        (dict(num_particles=5, ess_threshold=0.0), "ess_threshold"),
+        (dict(num_particles=5, ess_threshold=1.5), "ess_threshold"),
+        (dict(num_particles=5, num_filters=0), "num_filters"),
+        (dict(num_particles=5, max_plate_nesting=-1), "max_plate_nesting"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SMC(_lgssm(), **kwargs)
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0, math.nan])
+def test_invalid_epsilon(eps):
+    with pytest.raises(ValueError, match="epsilon"):
+        OTResampler(epsilon=eps)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.5, -0.1])
+def test_invalid_alpha(alpha):
+    with pytest.raises(ValueError, match="alpha"):
+        SoftResampler(alpha)
+
+
+def test_all_zero_weights_name_step_and_site():
+    class Impossible:
+        def init(self, state):
+            self.t = 0
+
+        def step(self, state, y):
+            x = pyro.sample(f"x_{self.t}", dist.Uniform(0.0, 1.0))
+            state["x"] = x
+            pyro.sample(f"y_{self.t}", dist.Uniform(x - 0.01, x + 0.01, validate_args=False), obs=y)
+            self.t += 1
+
+    smc = SMC(Impossible(), num_particles=10)
+    smc.init()
+    smc.step(torch.tensor(0.5))
+    with pytest.raises(SMCFailedError, match=r"time step 1.*'y_1'"):
+        smc.step(torch.tensor(5.0))
+    assert issubclass(SMCFailedError, ValueError)
+
+
+def test_wrong_particle_shape_in_state_is_an_error():
+    class Bad:
+        def init(self, state):
+            state["t"] = torch.tensor(0.0)  # no particle dim
+
+        def step(self, state, y):
+            pass
+
+    with pytest.raises(ValueError, match=r"state\['t'\].*particle"):
+        SMC(Bad(), num_particles=4).init()
+
+
+def test_guide_may_not_write_state():
+    class Writer:
+        def init(self, state):
+            state["x"] = torch.zeros(3)
+
+        def step(self, state, y=None):
+            pass
+
+    class Model:
+        def init(self, state):
+            state["x"] = pyro.sample("x0", dist.Normal(0.0, 1.0))
+
+        def step(self, state, y=None):
+            pass
+
+    with pytest.raises(RuntimeError, match="Guide cannot write"):
+        SMC(Model(), Writer(), num_particles=3).init()
