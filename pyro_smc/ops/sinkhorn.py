@@ -230,7 +230,11 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
     if m <= _DENSE_SOLVE_MAX:
         eye = torch.eye(m, dtype=kernel.dtype, device=kernel.device)
         mat = eye - kernel.transpose(-1, -2) @ kernel + s.unsqueeze(-1) * s.unsqueeze(-2)
-        return torch.linalg.solve(mat, rhs.unsqueeze(-1)).squeeze(-1)
+        # The matrix is symmetric positive definite: Cholesky is about twice as fast as LU.
+        chol, info = torch.linalg.cholesky_ex(mat)
+        if not bool((info == 0).all()):
+            return torch.linalg.solve(mat, rhs.unsqueeze(-1)).squeeze(-1)
+        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
 
     def matvec(v: Tensor) -> Tensor:
         return v - _colsum(kernel, _rowsum(kernel, v)) + s * (s * v).sum(-1, keepdim=True)
@@ -333,6 +337,9 @@ def sinkhorn(
     if gradient not in GRADIENT_MODES:
         raise ValueError(f"sinkhorn: gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
     epsilon = float(epsilon)
+    mass_gap = (torch.logsumexp(log_a.detach(), -1) - torch.logsumexp(log_b.detach(), -1)).abs().max()
+    if not float(mass_gap) < 1e-3:
+        raise ValueError(f"sinkhorn: log_a and log_b must have equal total mass (log-mass gap {float(mass_gap):.3g})")
     if gradient == "implicit":
         return _ImplicitSinkhorn.apply(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
     if gradient == "unroll":

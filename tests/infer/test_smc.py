@@ -314,7 +314,7 @@ def test_all_zero_weights_name_step_and_site():
         def step(self, state, y):
             x = pyro.sample(f"x_{self.t}", dist.Uniform(0.0, 1.0))
             state["x"] = x
-            pyro.sample(f"y_{self.t}", dist.Uniform(x - 0.01, x + 0.01, validate_args=False), obs=y)
+            pyro.sample(f"y_{self.t}", dist.Uniform(x - 0.5, x + 0.5, validate_args=False), obs=y)
             self.t += 1
 
     smc = SMC(Impossible(), num_particles=10)

@@ -76,23 +76,24 @@ def test_agrees_with_brute_force_minimiser(seed):
 
 
 def test_small_epsilon_sorts_1d_points():
-    # eps -> 0 on the line with equal weights: OT is the monotone (sorted) matching.
+    # eps -> 0 on the line with equal weights: OT is the monotone (sorted) matching, and the
+    # plan concentrates on it as eps shrinks.
     g = torch.Generator().manual_seed(0)
+    log_a = torch.full((1, 12), -math.log(12))
     for _ in range(3):
-        x = torch.randn(1, 12, 1, generator=g)
-        y = torch.randn(1, 12, 1, generator=g)
-        log_a = torch.full((1, 12), -math.log(12))
+        x = (torch.randperm(12, generator=g) + 0.4 * torch.rand(12, generator=g)).reshape(1, 12, 1)
+        y = (torch.randperm(12, generator=g) + 0.4 * torch.rand(12, generator=g) + 0.3).reshape(1, 12, 1)
         cost = squared_distances(x, y)
         cost = cost / cost.max()
-        eps = 1e-3
-        f, gg = sinkhorn(cost, log_a, log_a, eps, threshold=1e-9, max_iter=20000)
-        plan = transport_plan(cost, log_a, log_a, f, gg, eps)
-        match = plan[0].argmax(-1)
         expected = torch.empty(12, dtype=torch.long)
         expected[x[0, :, 0].argsort()] = y[0, :, 0].argsort()
-        assert torch.equal(match, expected)
-        # Most of the mass sits on the sorted matching (near-ties between close points share some).
-        assert plan[0, torch.arange(12), expected].sum() > 0.75
+        mass = []
+        for eps in (0.1, 0.01, 0.003):
+            f, gg = sinkhorn(cost, log_a, log_a, eps, threshold=1e-9, max_iter=20000)
+            plan = transport_plan(cost, log_a, log_a, f, gg, eps)
+            mass.append(float(plan[0, torch.arange(12), expected].sum()))
+        assert torch.equal(plan[0].argmax(-1), expected)
+        assert mass[0] < mass[1] < mass[2] and mass[2] > 0.8
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -102,9 +103,11 @@ def test_implicit_gradcheck(seed):
     log_b.requires_grad_()
 
     def fn(x, log_b):
+        # Renormalise: finite differences leave the simplex, where the marginals cannot match.
+        log_b = log_b - log_b.logsumexp(-1, keepdim=True)
         cost = squared_distances(x, x)
-        f, g = sinkhorn(cost, log_a, log_b, 0.3, threshold=1e-13, max_iter=20000, gradient="implicit")
-        return transport_plan(cost, log_a, log_b, f, g, 0.3) @ x
+        f, g = sinkhorn(cost, log_a, log_b, 0.5, threshold=1e-12, max_iter=20000, gradient="implicit")
+        return transport_plan(cost, log_a, log_b, f, g, 0.5) @ x
 
     assert torch.autograd.gradcheck(fn, (x, log_b), atol=1e-6, rtol=1e-5)
 
@@ -114,6 +117,7 @@ def test_implicit_matches_unroll_and_last_step_is_approximate():
 
     def jac(mode):
         def fn(x, log_b):
+            log_b = log_b - log_b.logsumexp(-1, keepdim=True)
             cost = squared_distances(x, x)
             f, g = sinkhorn(cost, log_a, log_b, 0.5, threshold=1e-13, max_iter=20000, gradient=mode)
             return transport_plan(cost, log_a, log_b, f, g, 0.5)
