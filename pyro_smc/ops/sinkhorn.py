@@ -169,9 +169,16 @@ def _solve_loop(
     eps = epsilon
     compact = not torch.is_grad_enabled()
     a, b = log_a.exp(), log_b.exp()
-    # Start with one exact log-domain row update, then iterate on scalings u, v.
-    f = f - eps * torch.logsumexp(_log_kernel(cost, f, g, eps) + log_b.unsqueeze(-2), dim=-1)
+    # Start with one row update absorbed into the kernel, then iterate on scalings u, v. The
+    # exact log-domain update is the fallback when a row of the kernel underflowed.
     kernel = torch.exp(_log_kernel(cost, f, g, eps))
+    rows = _rowsum(kernel, b)
+    if bool(((rows > 0) & torch.isfinite(rows)).all()):
+        f = f - eps * torch.log(rows)
+        kernel = kernel / rows.unsqueeze(-1)
+    else:
+        f = f - eps * torch.logsumexp(_log_kernel(cost, f, g, eps) + log_b.unsqueeze(-2), dim=-1)
+        kernel = torch.exp(_log_kernel(cost, f, g, eps))
     u, v = torch.ones_like(a), torch.ones_like(b)
     f_out, g_out = f, g
     active = torch.arange(cost.shape[0], device=cost.device)
