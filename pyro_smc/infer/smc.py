@@ -246,11 +246,20 @@ class SMC:
             for plate in self._plates:
                 stack.enter_context(plate)
             guide_trace = None
-            if guide_fn is not None:
-                with self.state._lock():
-                    guide_trace = poutine.trace(guide_fn).get_trace(self.state, *args, **kwargs)
-                model_fn = poutine.replay(model_fn, trace=guide_trace)
-            model_trace = poutine.trace(model_fn).get_trace(self.state, *args, **kwargs)
+            try:
+                if guide_fn is not None:
+                    with self.state._lock():
+                        guide_trace = poutine.trace(guide_fn).get_trace(self.state, *args, **kwargs)
+                    model_fn = poutine.replay(model_fn, trace=guide_trace)
+                model_trace = poutine.trace(model_fn).get_trace(self.state, *args, **kwargs)
+            except ValueError as error:
+                if "collide" not in str(error):
+                    raise
+                raise ValueError(
+                    f"at {where}: a model plate collides with the particle plate at dim "
+                    f"{-1 - self.max_plate_nesting}; set max_plate_nesting (now {self.max_plate_nesting}) "
+                    f"to the number of plates the model nests inside a step"
+                ) from error
         terms = self._log_weight_terms(model_trace, guide_trace)
         self._check_state(where)
         if not terms:
