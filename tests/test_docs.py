@@ -1,7 +1,6 @@
 """The README example runs, every public name resolves, the tutorials run in smoke mode."""
 
 import importlib
-import os
 import pathlib
 import re
 import time

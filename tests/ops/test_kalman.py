@@ -17,7 +17,7 @@ def _random_model(d, dy, seed):
 
 def _dense_joint(A, Q, C, R, m0, P0, T):
     """Mean and covariance of (x_1..x_T, y_1..y_T) by brute-force linear algebra."""
-    d, dy = A.shape[0], C.shape[0]
+    d = A.shape[0]
     # x = M (x_1-noise, w_2.., w_T) stacked; build the linear map from independent noises.
     Lx = torch.zeros(T * d, T * d)
     mean_x = torch.zeros(T * d)
