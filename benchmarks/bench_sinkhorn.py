@@ -3,7 +3,7 @@
 Problems: ``B`` random 2-d point clouds ``x`` of ``N`` points (standard normal), source ``a``
 uniform, target ``b = softmax(randn)`` on the same points (the resampling problem), cost
 ``||x_i - x_j||^2 / delta^2`` with ``delta = sqrt(d) max_k std(x_k)`` as in
-``pyro_smc.ops.sinkhorn.ensemble_transform``, float32, epsilon 0.5 and 0.1.
+``pyro_smc.ops.ensemble.ensemble_transform``, float32, epsilon 0.5 and 0.1.
 
 * ours: ``sinkhorn(cost, log_a, log_b, eps, scaling=0.75, threshold=1e-3, max_iter=1000)``
   under ``no_grad`` plus ``transport_plan`` (so both sides return the plan).

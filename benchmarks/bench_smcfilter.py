@@ -92,9 +92,9 @@ def main():
     for n in particles:
         timings = timeit_interleaved(
             {
-                "smcfilter": lambda: run_smcfilter(ssm, guide, ys, n),
-                "ours_guide": lambda: run_ours(ssm, guide, ys, n),
-                "ours_bootstrap": lambda: run_ours(ssm, None, ys, n),
+                "smcfilter": lambda n=n: run_smcfilter(ssm, guide, ys, n),
+                "ours_guide": lambda n=n: run_ours(ssm, guide, ys, n),
+                "ours_bootstrap": lambda n=n: run_ours(ssm, None, ys, n),
             },
             repeats=repeats,
         )

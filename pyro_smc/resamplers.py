@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from pyro_smc.ops import resample as _resample
-from pyro_smc.ops.sinkhorn import GRADIENT_MODES, ensemble_transform
+from pyro_smc.ops.ensemble import ensemble_transform
+from pyro_smc.ops.sinkhorn import GRADIENT_MODES
 
 __all__ = [
     "Resampler",
@@ -134,7 +135,8 @@ class OTResampler(Resampler):
     Args:
         epsilon: regularisation on the normalised cost scale, ``> 0``; smaller is closer to
             exact OT (less bias, stiffer gradients, more iterations).
-        scaling: epsilon annealing factor in ``[0, 1)``; 0 switches annealing off.
+        scaling: epsilon annealing factor in ``[0, 1)``; 0 switches annealing off. Annealing
+            only runs when ``epsilon`` is below a quarter of the mean normalised cost.
         threshold: stop once the L1 marginal error of the plan is below this.
         max_iter: maximum Sinkhorn iterations at the final epsilon.
         gradient: ``"implicit"`` (exact, default), ``"unroll"`` or ``"last_step"`` (approximate).

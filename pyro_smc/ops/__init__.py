@@ -4,5 +4,6 @@ Modules:
     weights: normalise log-weights, effective sample size, log-mean-exp.
     resample: multinomial, stratified and systematic ancestor indices.
     sinkhorn: batched log-domain entropic optimal transport with implicit gradients.
+    ensemble: the differentiable ensemble transform (OT resampling) as one fused autograd op.
     kalman: Kalman predict/update/RTS steps and the exact log-evidence.
 """

@@ -14,11 +14,14 @@ Its dual potentials ``f, g`` are the fixed point of the soft-min maps
     f_i = -\varepsilon \log \sum_j b_j e^{(g_j - C_{ij})/\varepsilon}, \qquad
     g_j = -\varepsilon \log \sum_i a_i e^{(f_i - C_{ij})/\varepsilon},
 
-and the plan is ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``. Epsilon is annealed
-geometrically from the cost's scale down to ``epsilon`` with the symmetric, averaged updates of
-Feydy et al. (2019); at ``epsilon`` the iterations run on a log-stabilised kernel (two batched
-mat-vecs each, potentials absorbed whenever the scalings grow). Each problem of the batch stops
-once the L1 error of its plan's marginals is below ``threshold``.
+and the plan is ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``. When ``epsilon`` is small
+against the cost, it is annealed geometrically down to ``epsilon`` with the symmetric, averaged
+updates of Feydy et al. (2019). At ``epsilon`` the iterations run on a log-stabilised kernel
+(two batched mat-vecs each; potentials absorbed, with an exact log-domain update, whenever the
+scalings grow or overflow) and are over-relaxed: after three plain iterations each problem
+measures its contraction rate and switches to the SOR factor it implies (Thibault et al. 2017),
+which halved the iteration count at epsilon 0.1 and cut it 2-4x at 0.02 in the benchmarks. The
+batch runs until the L1 error of every problem's marginals is below ``threshold``.
 
 Gradients (``gradient=``):
 
@@ -33,7 +36,7 @@ Gradients (``gradient=``):
   (relative error of order 0.5 to 1 for moderate epsilon).
 
 The differentiable ensemble transform (Corenflos et al., 2021) built on it is
-:func:`ensemble_transform`.
+:func:`pyro_smc.ops.ensemble.ensemble_transform`.
 
 Example:
     >>> import math, torch
@@ -48,8 +51,9 @@ Example:
     True
 
 References:
-    Cuturi (2013). Sinkhorn distances. Feydy et al. (2019). Interpolating between optimal
-    transport and MMD using Sinkhorn divergences. Corenflos, Thornton, Deligiannidis, Doucet
+    Cuturi (2013). Sinkhorn distances. Thibault, Chizat, Dossal, Papadakis (2017). Overrelaxed
+    Sinkhorn-Knopp algorithm for regularized optimal transport. Feydy et al. (2019).
+    Interpolating between optimal transport and MMD using Sinkhorn divergences. Corenflos, Thornton, Deligiannidis, Doucet
     (2021). Differentiable particle filtering via entropy-regularized optimal transport.
 """
 
@@ -65,7 +69,8 @@ __all__ = [
     "squared_distances",
     "sinkhorn",
     "transport_plan",
-    "ensemble_transform",
+    "check_equal_mass",
+    "implicit_adjoint",
 ]
 
 GRADIENT_MODES = ("implicit", "unroll", "last_step")
@@ -73,6 +78,8 @@ GRADIENT_MODES = ("implicit", "unroll", "last_step")
 # Above this many target points the adjoint system is solved by conjugate gradients
 # instead of a dense factorisation (O(M^2) per iteration instead of O(M^3) once).
 _DENSE_SOLVE_MAX = 512
+# Conjugate-gradient steps tried before a small adjoint system is handed to the dense solve.
+_CG_STEPS_BEFORE_DENSE = 25
 
 
 def squared_distances(x: Tensor, y: Tensor) -> Tensor:
@@ -90,17 +97,26 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
     """
     xx = (x * x).sum(-1).unsqueeze(-1)
     yy = (y * y).sum(-1).unsqueeze(-2)
+    if x.dim() == 3 and y.dim() == 3:
+        # One fused pass instead of three (about 3x faster for 32 x 100 x 100).
+        return torch.baddbmm(xx + yy, x, y.transpose(-1, -2), alpha=-2).clamp_min(0)
     return (xx + yy - 2 * x @ y.transpose(-1, -2)).clamp_min(0)
+
+
+# Annealing starts at this fraction of the mean cost (see _epsilon_schedule).
+_ANNEAL_START = 0.25
 
 
 def _epsilon_schedule(cost: Tensor, epsilon: float, scaling: float) -> list[float]:
     """Annealing levels ``eps0 * scaling^k > epsilon`` (empty if off).
 
-    ``eps0`` is the mean cost: the scale at which the kernel is nearly flat. The maximum, the
-    textbook start, is set by a few outlying pairs; starting there cost 12-14 extra passes over
-    the kernel on particle clouds at epsilon = 0.5 and bought no iterations (benchmarks/).
+    ``eps0`` is a quarter of the mean cost. The textbook start, the maximum cost, is set by a few
+    outlying pairs. Measured on particle clouds (32 x 100 points, float32, 1e-3 threshold), each
+    level costs about three final-phase iterations, and starting at the mean cost bought fewer
+    iterations than its levels cost at epsilon = 0.5 (8.6 ms against 3.0 ms without annealing)
+    while a start at a quarter of it matched the best schedule at epsilon = 0.1 and 0.02.
     """
-    eps0 = float(cost.detach().mean())
+    eps0 = float(cost.detach().mean()) * _ANNEAL_START
     if not math.isfinite(eps0):
         raise ValueError("sinkhorn: the cost matrix has non-finite entries")
     if eps0 <= epsilon or not 0 < scaling < 1:
@@ -124,9 +140,35 @@ def _colsum(kernel: Tensor, u: Tensor) -> Tensor:
     return (u.unsqueeze(-2) @ kernel).squeeze(-2)
 
 
+def _thin_matmul(kernel: Tensor, x: Tensor, transpose: bool = False) -> Tensor:
+    """``K x`` (or ``K^T x``) for a thin ``x`` of shape ``(..., M, k)``, in the row form.
+
+    The same layout effect as in :func:`_rowsum`: ``(x^T K^T)^T`` with ``x^T`` contiguous ran
+    4x faster than ``K @ x`` at 32 x 100 x 100 with k = 3.
+    """
+    rows = x.transpose(-1, -2).contiguous()
+    return (rows @ (kernel if transpose else kernel.transpose(-1, -2))).transpose(-1, -2)
+
+
 # Scalings outside [1/_BIG, _BIG] are absorbed into the potentials and the kernel rebuilt, so
 # the fast kernel-domain iterations never overflow (the log-stabilised Sinkhorn of Schmitzer).
 _BIG = 1e15
+# Over-relaxation: plain iterations used to estimate each problem's contraction rate, and the
+# largest relaxation factor allowed.
+_PLAIN_ITERS = 3
+_MAX_OMEGA = 1.8
+
+
+def _relaxation(rate: Tensor) -> Tensor:
+    """Per-problem over-relaxation factor from the observed contraction rate of plain Sinkhorn.
+
+    Near the fixed point Sinkhorn is a linear iteration contracting by ``rate`` per step; the
+    classical SOR choice ``omega = 2 / (1 + sqrt(1 - rate))`` (Thibault et al. 2017, Lehmann
+    et al. 2021) makes it contract by about ``omega - 1`` instead. The early rate underestimates
+    the asymptotic one, which errs towards the safe side (smaller omega).
+    """
+    rate = torch.nan_to_num(rate, nan=0.0, posinf=0.99).clamp(0, 0.99)
+    return (2 / (1 + (1 - rate).sqrt())).clamp(1, _MAX_OMEGA).unsqueeze(-1)
 
 
 def _solve_loop(
@@ -143,9 +185,11 @@ def _solve_loop(
     Each annealing level takes one symmetric, averaged log-domain update (Feydy et al.). At the
     final epsilon the iterations run in the kernel domain (two batched mat-vecs each) on a kernel
     into which the current potentials are absorbed; scalings that grow too large are absorbed
-    again by an exact log-domain update. Under ``no_grad`` converged problems leave the working
-    set, so an iteration's cost shrinks as problems finish; with autograd on, converged problems
-    are frozen with ``torch.where`` so that the graph stays a plain function of the inputs.
+    again by an exact log-domain update. The loop runs until every problem's marginal error is
+    below ``threshold``; problems that converge early keep iterating (which only makes them more
+    accurate) until, under ``no_grad``, half of the working set has converged, and then leave it.
+    Compacting less often than at every convergence saves the copies of the kernel; with
+    autograd on there is no compaction, so the graph stays a plain function of the inputs.
     The loop ends on a row update: rows of the plan are exact, columns within ``threshold``.
     """
     batch_shape = cost.shape[:-2]
@@ -155,7 +199,8 @@ def _solve_loop(
     log_b = log_b.expand(batch_shape + (m,)).reshape(-1, m)
     f = torch.zeros_like(log_a)
     g = torch.zeros_like(log_b)
-    for eps in _epsilon_schedule(cost, epsilon, scaling):
+    schedule = _epsilon_schedule(cost, epsilon, scaling)
+    for eps in schedule:
         # With the previous potentials absorbed the kernel is O(1) near its row/column maxima,
         # so one symmetric kernel-domain update per level is safe; log() of an underflowed sum
         # gives -inf and is caught by the exact log-domain update that opens the final phase.
@@ -163,65 +208,73 @@ def _solve_loop(
         f_new = f - eps * torch.log(_rowsum(kernel, log_b.exp()))
         g_new = g - eps * torch.log(_colsum(kernel, log_a.exp()))
         f, g = (f + f_new) / 2, (g + g_new) / 2
-    f = torch.where(torch.isfinite(f), f, torch.zeros_like(f))
-    g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
+    if schedule:
+        f = torch.where(torch.isfinite(f), f, torch.zeros_like(f))
+        g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
 
     eps = epsilon
     compact = not torch.is_grad_enabled()
     a, b = log_a.exp(), log_b.exp()
-    # Start with one row update absorbed into the kernel, then iterate on scalings u, v. The
-    # exact log-domain update is the fallback when a row of the kernel underflowed.
-    kernel = torch.exp(_log_kernel(cost, f, g, eps))
-    rows = _rowsum(kernel, b)
-    if bool(((rows > 0) & torch.isfinite(rows)).all()):
-        f = f - eps * torch.log(rows)
-        kernel = kernel / rows.unsqueeze(-1)
-    else:
+    # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
+    kernel = torch.exp(_log_kernel(cost, f, g, eps)) if schedule else torch.exp(cost * (-1.0 / eps))
+    u = 1 / _rowsum(kernel, b)
+    if not bool(torch.isfinite(u).all()):
+        # A row of the kernel underflowed: take the first row update in the log domain.
         f = f - eps * torch.logsumexp(_log_kernel(cost, f, g, eps) + log_b.unsqueeze(-2), dim=-1)
         kernel = torch.exp(_log_kernel(cost, f, g, eps))
-    u, v = torch.ones_like(a), torch.ones_like(b)
+        u = torch.ones_like(a)
+    v = torch.ones_like(b)
     f_out, g_out = f, g
-    active = torch.arange(cost.shape[0], device=cost.device)
+    active = None  # indices of the working set in the batch, once compacted
     iters = 0
+    omega, err_prev = None, None
     while iters < max_iter:
         iters += 1
-        v_new = 1 / _colsum(kernel, a * u)
-        kv = _rowsum(kernel, b * v_new)
+        u_prev, v_prev = u, v
+        v = 1 / _colsum(kernel, a * u)
+        if omega is not None:
+            v = v_prev.pow(1 - omega) * v.pow(omega)
+        kv = _rowsum(kernel, b * v)
         err = (a * (u * kv - 1).abs()).sum(-1)
-        u_new = 1 / kv
-        if compact:
-            u, v = u_new, v_new
-        else:
-            frozen = (err < threshold).unsqueeze(-1)
-            u, v = torch.where(frozen, u, u_new), torch.where(frozen, v, v_new)
-        # Overflowing scalings show up as a non-finite error; large ones are absorbed early.
-        if not bool(torch.isfinite(err).all()) or (iters % 10 == 0 and float(torch.maximum(u.detach().abs().max(), v.detach().abs().max())) > _BIG):
-            g = g + eps * torch.log(v)
-            g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
-            f = f - eps * torch.logsumexp(_log_kernel(cost, f, g, eps) + log_b.unsqueeze(-2), dim=-1)
+        u_exact = 1 / kv
+        if iters == _PLAIN_ITERS and _MAX_OMEGA > 1:
+            omega = _relaxation(err.detach() / err_prev.detach())
+        err_prev = err
+        u = u_exact if omega is None else u_prev.pow(1 - omega) * u_exact.pow(omega)
+        # err stays finite when kv underflows, so u is checked too.
+        overflow = not bool((torch.isfinite(err).all() & torch.isfinite(u).all()))
+        if overflow or (iters % 10 == 0 and float(torch.maximum(u.detach().abs().max(), v.detach().abs().max())) > _BIG):
+            # Absorb the last finite scalings into the potentials and take one exact
+            # log-domain column and row update; the kernel is O(1) again afterwards.
+            if overflow:
+                u, v = u_prev, v_prev
+            f, g = f + eps * torch.log(u), g + eps * torch.log(v)
+            g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
+            f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
             kernel = torch.exp(_log_kernel(cost, f, g, eps))
             u, v = torch.ones_like(u), torch.ones_like(v)
-            err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))
+            u_exact = u
+            continue
         done = err < threshold
-        if compact:
-            if bool(done.any()):
-                idx = active[done]
-                f_out = f_out.index_copy(0, idx, f[done] + eps * torch.log(u[done]))
-                g_out = g_out.index_copy(0, idx, g[done] + eps * torch.log(v[done]))
-                keep = ~done
-                active, f, g, u, v = active[keep], f[keep], g[keep], u[keep], v[keep]
-                kernel, cost, log_a, log_b, a, b = kernel[keep], cost[keep], log_a[keep], log_b[keep], a[keep], b[keep]
-                if active.numel() == 0:
-                    break
-        elif bool(done.all()):
+        num_done = int(done.sum())
+        if num_done == done.numel():
             break
-    if compact:
-        if active.numel() > 0:
-            f_out = f_out.index_copy(0, active, f + eps * torch.log(u))
-            g_out = g_out.index_copy(0, active, g + eps * torch.log(v))
+        if compact and 2 * num_done >= done.numel():
+            finished, keep = done.nonzero().squeeze(-1), (~done).nonzero().squeeze(-1)
+            if active is None:
+                active = torch.arange(cost.shape[0], device=cost.device)
+                f_out, g_out = f.clone(), g.clone()
+            f_out[active[finished]] = f[finished] + eps * torch.log(u_exact[finished])
+            g_out[active[finished]] = g[finished] + eps * torch.log(v[finished])
+            active = active[keep]
+            f, g, u, v, u_exact, err_prev, a, b, log_a, log_b = (t.index_select(0, keep) for t in (f, g, u, v, u_exact, err_prev, a, b, log_a, log_b))
+            omega = None if omega is None else omega.index_select(0, keep)
+            kernel, cost = kernel.index_select(0, keep), cost.index_select(0, keep)
+    # The returned potentials take the last exact row update, so rows of the plan are exact.
+    f, g = f + eps * torch.log(u_exact), g + eps * torch.log(v)
+    if active is not None:
+        f_out[active], g_out[active] = f, g
         f, g = f_out, g_out
-    else:
-        f, g = f + eps * torch.log(u), g + eps * torch.log(v)
     return f.reshape(batch_shape + (n,)), g.reshape(batch_shape + (m,)), iters
 
 
@@ -231,17 +284,19 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
     ``I - K^T K`` is positive semi-definite with null vector ``s = sqrt(b)`` (the gauge
     ``f + c, g - c`` of the potentials); adding ``s s^T`` makes it definite without changing the
     solution on the consistent right-hand sides the backward pass produces.
+
+    Conjugate gradients come first: the system's condition number is ``1 / (1 - sigma_2^2)``
+    with ``sigma_2`` the second singular value of ``K``, the same quantity that sets the
+    contraction of the Sinkhorn iterations, so problems that converged in a few iterations
+    need only a few CG steps (each two batched mat-vecs). Problems still unconverged after
+    ``_CG_STEPS_BEFORE_DENSE`` steps (small epsilon) are finished by a dense Cholesky solve when
+    they are small enough, by more CG steps otherwise.
     """
     s = sqrt_b / sqrt_b.norm(dim=-1, keepdim=True)
     m = kernel.shape[-1]
-    if m <= _DENSE_SOLVE_MAX:
-        eye = torch.eye(m, dtype=kernel.dtype, device=kernel.device)
-        mat = eye - kernel.transpose(-1, -2) @ kernel + s.unsqueeze(-1) * s.unsqueeze(-2)
-        # The matrix is symmetric positive definite: Cholesky is about twice as fast as LU.
-        chol, info = torch.linalg.cholesky_ex(mat)
-        if not bool((info == 0).all()):
-            return torch.linalg.solve(mat, rhs.unsqueeze(-1)).squeeze(-1)
-        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
+    tiny = torch.finfo(rhs.dtype).tiny
+    # Below a few ulps the residual is rounding noise; asking for less would never stop.
+    tol = max(tol, 30 * torch.finfo(rhs.dtype).eps)
 
     def matvec(v: Tensor) -> Tensor:
         return v - _colsum(kernel, _rowsum(kernel, v)) + s * (s * v).sum(-1, keepdim=True)
@@ -250,18 +305,60 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
     r = rhs.clone()
     p = r.clone()
     rs = (r * r).sum(-1, keepdim=True)
-    stop = tol**2 * rs.clamp_min(torch.finfo(rhs.dtype).tiny)
-    for _ in range(10 * m):
+    stop = tol**2 * rs.clamp_min(tiny)
+    max_steps = _CG_STEPS_BEFORE_DENSE if m <= _DENSE_SOLVE_MAX else 10 * m
+    converged = rs <= stop
+    for _ in range(max_steps):
+        if bool(converged.all()):
+            break
         ap = matvec(p)
-        alpha = rs / (p * ap).sum(-1, keepdim=True).clamp_min(torch.finfo(rhs.dtype).tiny)
+        alpha = rs / (p * ap).sum(-1, keepdim=True).clamp_min(tiny)
+        alpha = torch.where(converged, torch.zeros_like(alpha), alpha)
         x = x + alpha * p
         r = r - alpha * ap
         rs_new = (r * r).sum(-1, keepdim=True)
-        if bool((rs_new <= stop).all()):
-            break
-        p = r + (rs_new / rs.clamp_min(torch.finfo(rhs.dtype).tiny)) * p
+        converged = converged | (rs_new <= stop)
+        p = r + (rs_new / rs.clamp_min(tiny)) * p
         rs = rs_new
+    left = ~converged.squeeze(-1)
+    if m <= _DENSE_SOLVE_MAX and bool(left.any()):
+        k, sl = kernel[left], s[left]
+        eye = torch.eye(m, dtype=kernel.dtype, device=kernel.device)
+        mat = eye - k.transpose(-1, -2) @ k + sl.unsqueeze(-1) * sl.unsqueeze(-2)
+        # The matrix is symmetric positive definite: Cholesky is about twice as fast as LU.
+        chol, info = torch.linalg.cholesky_ex(mat)
+        if bool((info == 0).all()):
+            sol = torch.cholesky_solve(rhs[left].unsqueeze(-1), chol).squeeze(-1)
+        else:
+            sol = torch.linalg.solve(mat, rhs[left].unsqueeze(-1)).squeeze(-1)
+        x = x.index_put((left.nonzero().squeeze(-1),), sol)
     return x
+
+
+def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Tensor, grad_g: Tensor, tol: float) -> tuple[Tensor, Tensor]:
+    """Adjoint variables of the Sinkhorn fixed point (the core of every implicit backward pass).
+
+    With ``K_ij = P_ij / sqrt(a_i b_j)`` the adjoint system of the fixed-point equations reads
+    ``[[I, K], [K^T, I]] [alpha; beta] = [grad_f / sqrt(a); grad_g / sqrt(b)]``; it stays finite
+    (``K`` is zero there) for points of zero weight and its spectrum lies in ``[0, 2]``. The
+    gradients of the loss with respect to the cost and the log-weights follow from ``alpha``
+    and ``beta``:
+    ``dC = K * (alpha_i sqrt(b_j) + sqrt(a_i) beta_j)``, ``d log a = -eps sqrt(a) K beta``,
+    ``d log b = -eps sqrt(b) K^T alpha``.
+
+    Args:
+        kernel: ``K``, shape ``(..., N, M)``.
+        sqrt_a, sqrt_b: square roots of the marginals, ``(..., N)`` and ``(..., M)``.
+        grad_f, grad_g: incoming gradients with respect to the potentials.
+        tol: relative residual tolerance of the linear solve.
+
+    Returns:
+        ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)``.
+    """
+    r_f = grad_f / sqrt_a
+    r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
+    beta = _adjoint_solve(kernel, sqrt_b, r_g - _colsum(kernel, r_f), tol)
+    return r_f - _rowsum(kernel, beta), beta
 
 
 class _ImplicitSinkhorn(torch.autograd.Function):
@@ -284,19 +381,14 @@ class _ImplicitSinkhorn(torch.autograd.Function):
         log_b = log_b.expand(g.shape)
         grad_f = torch.zeros_like(f) if grad_f is None else grad_f
         grad_g = torch.zeros_like(g) if grad_g is None else grad_g
-        # In the variables alpha' = sqrt(a) alpha, beta' = sqrt(b) beta the adjoint system reads
-        # [[I, K], [K^T, I]] with K_ij = P_ij / sqrt(a_i b_j), which stays finite (zero) for
-        # particles of zero weight and has its spectrum in [0, 2].
+        # In the variables alpha' = sqrt(a) alpha, beta' = sqrt(b) beta the adjoint system is
+        # symmetric positive semi-definite (see implicit_adjoint).
         half_a, half_b = log_a / 2, log_b / 2
         kernel = torch.exp(half_a.unsqueeze(-1) + half_b.unsqueeze(-2) + (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / eps)
         sqrt_a, sqrt_b = half_a.exp(), half_b.exp()
-        r_f = grad_f / sqrt_a
-        r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
-        beta = _adjoint_solve(kernel, sqrt_b, r_g - _colsum(kernel, r_f), ctx.tol * 1e-4)
-        k_beta = _rowsum(kernel, beta)
-        alpha = r_f - k_beta
+        alpha, beta = implicit_adjoint(kernel, sqrt_a, sqrt_b, grad_f, grad_g, ctx.tol * 1e-4)
         grad_cost = kernel * (alpha.unsqueeze(-1) * sqrt_b.unsqueeze(-2) + sqrt_a.unsqueeze(-1) * beta.unsqueeze(-2))
-        grad_log_a = -eps * sqrt_a * k_beta
+        grad_log_a = -eps * sqrt_a * _rowsum(kernel, beta)
         grad_log_b = -eps * sqrt_b * _colsum(kernel, alpha)
         return grad_cost, _unbroadcast(grad_log_a, ctx, 1), _unbroadcast(grad_log_b, ctx, 2), None, None, None, None
 
@@ -330,8 +422,8 @@ def sinkhorn(
         log_a: log source weights (summing to one), shape ``(..., N)``.
         log_b: log target weights (summing to one; ``-inf`` allowed), shape ``(..., M)``.
         epsilon: regularisation strength, ``> 0``, in the units of ``cost``.
-        scaling: epsilon annealing factor in ``(0, 1)``; ``epsilon`` is reached after
-            ``log(epsilon / max C) / log(scaling)`` annealing steps. Use 0 to start at ``epsilon``.
+        scaling: epsilon annealing factor in ``(0, 1)``. Annealing starts at a quarter of the
+            mean cost, so it only runs when ``epsilon`` is below that. Use 0 to switch it off.
         threshold: each problem stops when the L1 error of both marginals is below this.
         max_iter: maximum number of iterations at the final ``epsilon``.
         gradient: ``"implicit"``, ``"unroll"`` or ``"last_step"`` (see the module docstring).
@@ -344,9 +436,7 @@ def sinkhorn(
     if gradient not in GRADIENT_MODES:
         raise ValueError(f"sinkhorn: gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
     epsilon = float(epsilon)
-    mass_gap = (torch.logsumexp(log_a.detach(), -1) - torch.logsumexp(log_b.detach(), -1)).abs().max()
-    if not float(mass_gap) < 1e-3:
-        raise ValueError(f"sinkhorn: log_a and log_b must have equal total mass (log-mass gap {float(mass_gap):.3g})")
+    check_equal_mass(log_a, log_b)
     if gradient == "implicit":
         return _ImplicitSinkhorn.apply(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
     if gradient == "unroll":
@@ -360,47 +450,13 @@ def sinkhorn(
     return f, g
 
 
+def check_equal_mass(log_a: Tensor, log_b: Tensor) -> None:
+    """Raises ``ValueError`` unless the two log-measures have the same total mass (to 1e-3)."""
+    mass_gap = (torch.logsumexp(log_a.detach(), -1) - torch.logsumexp(log_b.detach(), -1)).abs().max()
+    if not float(mass_gap) < 1e-3:
+        raise ValueError(f"sinkhorn: log_a and log_b must have equal total mass (log-mass gap {float(mass_gap):.3g})")
+
+
 def transport_plan(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, epsilon: float) -> Tensor:
     """The plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``, shape ``(..., N, M)``."""
     return torch.exp(log_a.unsqueeze(-1) + log_b.unsqueeze(-2) + (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / epsilon)
-
-
-def ensemble_transform(
-    x: Tensor,
-    log_weights: Tensor,
-    epsilon: float = 0.5,
-    scaling: float = 0.75,
-    threshold: float = 1e-3,
-    max_iter: int = 100,
-    gradient: str = "implicit",
-) -> tuple[Tensor, Tensor]:
-    r"""Differentiable ensemble transform: weighted particles to equally weighted ones.
-
-    Solves entropic OT from the uniform measure on the particles to the weighted one, with the
-    cost ``||x_i - x_j||^2 / delta^2`` where ``delta = sqrt(D) * max_k std_i(x_ik)`` (detached) makes
-    ``epsilon`` free of the state's scale and dimension, and moves each particle to its barycentric
-    image ``x~_i = N sum_j P_ij x_j``. Weighted means are preserved exactly up to the marginal
-    error; the map is smooth in ``x`` and ``log_weights``.
-
-    Args:
-        x: particles ``(..., N, D)``.
-        log_weights: normalised log-weights ``(..., N)``.
-        epsilon, scaling, threshold, max_iter, gradient: as in :func:`sinkhorn`.
-
-    Returns:
-        ``(x_new, plan)``: transported particles ``(..., N, D)`` and the plan ``(..., N, N)``
-        whose rows sum to ``1/N`` and columns to the weights.
-    """
-    n, d = x.shape[-2:]
-    with torch.no_grad():
-        spread = x.std(dim=-2, unbiased=False).amax(-1) if n > 1 else x.new_zeros(x.shape[:-2])
-        scale = math.sqrt(d) * spread
-        # Degenerate clouds (all particles equal) have nothing to transport; avoid 0/0.
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    cost = squared_distances(x, x) / (scale * scale)[..., None, None]
-    log_a = torch.full_like(log_weights, -math.log(n))
-    f, g = sinkhorn(cost, log_a, log_weights, epsilon, scaling, threshold, max_iter, gradient)
-    plan = transport_plan(cost, log_a, log_weights, f, g, epsilon)
-    # Row-normalise so every new particle is a convex combination even before convergence.
-    x_new = (plan @ x) / plan.sum(-1, keepdim=True)
-    return x_new, plan

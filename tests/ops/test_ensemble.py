@@ -1,0 +1,113 @@
+import math
+
+import pytest
+import torch
+
+import pyro_smc.ops.sinkhorn as sk
+from pyro_smc.ops.ensemble import ensemble_transform
+
+
+def _cloud(batch, n, d=2, seed=0, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, n, d, generator=g)
+    log_w = (spread * torch.randn(batch, n, generator=g)).log_softmax(-1)
+    return x, log_w
+
+
+def _grads(x, log_w, mode, eps=0.3, threshold=1e-12, weights_out=None):
+    xr, lr = x.clone().requires_grad_(), log_w.clone().requires_grad_()
+    x_new, _ = ensemble_transform(xr, lr, eps, threshold=threshold, max_iter=20000, gradient=mode)
+    probe = torch.linspace(-1, 1, x_new.numel(), dtype=x.dtype).reshape(x_new.shape)
+    ((x_new * probe).sum() + x_new.square().sum()).backward()
+    return x_new.detach(), xr.grad, lr.grad
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fused_implicit_gradient_matches_autograd_through_the_iterations(seed):
+    # Oracle: autograd through every Sinkhorn iteration (exact for the iterate it returns),
+    # converged to 1e-12. gradcheck cannot be the oracle for x: the cost's scale is detached.
+    x, log_w = _cloud(3, 12, seed=seed, spread=2.0)
+    log_w[1, :2] = -math.inf  # particles of zero weight
+    log_w = log_w - log_w.logsumexp(-1, keepdim=True)
+    fused, unrolled = _grads(x, log_w, "implicit"), _grads(x, log_w, "unroll")
+    for a, b in zip(fused, unrolled):
+        assert torch.isfinite(a).all()
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_implicit_gradcheck_in_the_log_weights(seed):
+    x, log_w = _cloud(2, 6, seed=seed, spread=1.5)
+    log_w.requires_grad_()
+
+    def fn(log_w):
+        log_w = log_w - log_w.logsumexp(-1, keepdim=True)
+        return ensemble_transform(x, log_w, 0.4, threshold=1e-13, max_iter=20000)[0]
+
+    assert torch.autograd.gradcheck(fn, (log_w,), atol=1e-6, rtol=1e-5)
+
+
+def test_implicit_plan_carries_no_gradient_but_other_modes_do():
+    x, log_w = _cloud(2, 8, seed=3)
+    x.requires_grad_()
+    _, plan = ensemble_transform(x, log_w, 0.5)
+    assert not plan.requires_grad
+    _, plan = ensemble_transform(x, log_w, 0.5, gradient="unroll")
+    assert plan.requires_grad
+
+
+def test_implicit_gradient_with_zero_weights_is_finite():
+    x, log_w = _cloud(1, 8, seed=5)
+    log_w[0, :3] = -math.inf
+    log_w = log_w - log_w.logsumexp(-1, keepdim=True)
+    x.requires_grad_()
+    log_w.requires_grad_()
+    x_new, _ = ensemble_transform(x, log_w, 0.5)
+    x_new.square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert torch.isfinite(log_w.grad).all() and (log_w.grad[0, :3] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ensemble_transform_preserves_weighted_mean(dtype):
+    x, log_w = _cloud(3, 64, d=3, seed=6, spread=2.0)
+    x, log_w = x.to(dtype), log_w.to(dtype)
+    x_new, plan = ensemble_transform(x, log_w, 0.5, threshold=1e-5, max_iter=1000)
+    target = (log_w.exp().unsqueeze(-1) * x).sum(-2)
+    tol = 1e-4 if dtype == torch.float32 else 1e-6
+    # Column marginal error <= threshold bounds the mean error by threshold * max |x|.
+    assert torch.allclose(x_new.mean(-2), target, atol=tol * 10 * x.abs().max().item())
+    assert x_new.dtype == plan.dtype == dtype
+
+
+@pytest.mark.parametrize("epsilon", [0.1, 0.02, 0.01])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_small_epsilon_converges_in_float32(epsilon, seed):
+    # Particle weights from a sharp likelihood underflow float32 (log-weights near -90): the
+    # kernel-domain iterations must recover from overflowing scalings and still converge.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 100, 2, generator=g)
+    y = torch.randn(16, 1, 2, generator=g)
+    log_w = (-0.5 * (x - y).square().sum(-1) / 0.1).log_softmax(-1)
+    threshold = 1e-3
+    x_new, plan = ensemble_transform(x, log_w, epsilon, threshold=threshold, max_iter=2000)
+    assert torch.isfinite(x_new).all() and torch.isfinite(plan).all()
+    col_err = (plan.sum(-2) - log_w.exp()).abs().sum(-1)
+    assert col_err.max() < 2 * threshold
+    assert torch.allclose(plan.sum(-1), torch.full_like(plan[..., 0], 1 / 100), atol=1e-6)
+
+
+def test_conjugate_gradient_adjoint_matches_dense(monkeypatch):
+    # Small problems try CG first and hand unconverged ones to a dense Cholesky solve; large
+    # problems use CG only. All three routes must give the same gradients.
+    x, log_w = _cloud(3, 12, seed=8, spread=1.5)
+    cg_then_dense = _grads(x, log_w, "implicit")
+    monkeypatch.setattr(sk, "_CG_STEPS_BEFORE_DENSE", 0)
+    dense = _grads(x, log_w, "implicit")
+    monkeypatch.setattr(sk, "_CG_STEPS_BEFORE_DENSE", 2)
+    mixed = _grads(x, log_w, "implicit")
+    monkeypatch.setattr(sk, "_DENSE_SOLVE_MAX", 4)
+    cg_only = _grads(x, log_w, "implicit")
+    for other in (cg_then_dense, mixed, cg_only):
+        for d, c in zip(dense, other):
+            assert torch.allclose(d, c, rtol=1e-6, atol=1e-8)
