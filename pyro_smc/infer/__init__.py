@@ -1,6 +1,33 @@
-"""Inference algorithms: :class:`SMC` and its loss :class:`SMCELBO`."""
+"""Inference algorithms: :class:`SMC` and its loss :class:`SMCELBO`; :class:`EPSmoother` and the
+Gaussian filters and smoothers it refines."""
 
+from pyro_smc.infer.ep_smoother import EPSmoother
+from pyro_smc.infer.gaussian_smoothers import (
+    GaussianSmootherResult,
+    extended_kalman_filter,
+    extended_rts_smoother,
+    gaussian_filter,
+    gaussian_smoother,
+    gp_adf,
+    gp_rtss,
+    unscented_kalman_filter,
+    unscented_rts_smoother,
+)
 from pyro_smc.infer.smc import SMC, SMCFailedError
 from pyro_smc.infer.smc_elbo import SMCELBO
 
-__all__ = ["SMC", "SMCELBO", "SMCFailedError"]
+__all__ = [
+    "SMC",
+    "SMCELBO",
+    "EPSmoother",
+    "GaussianSmootherResult",
+    "SMCFailedError",
+    "extended_kalman_filter",
+    "extended_rts_smoother",
+    "gaussian_filter",
+    "gaussian_smoother",
+    "gp_adf",
+    "gp_rtss",
+    "unscented_kalman_filter",
+    "unscented_rts_smoother",
+]

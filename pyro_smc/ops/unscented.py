@@ -1,0 +1,76 @@
+r"""The unscented transform: moments of ``f(x)`` for ``x ~ N(m, P)`` from ``2d + 1`` sigma points.
+
+Sigma points ``m`` and ``m +- sqrt(d + lambda) L_i`` (``L`` the Cholesky factor of ``P``,
+``lambda = alpha^2 (d + kappa) - d``) with mean weights ``W_0 = lambda / (d + lambda)``,
+``W_i = 1 / (2 (d + lambda))`` and covariance weight ``W_0^c = W_0 + 1 - alpha^2 + beta``
+(Julier and Uhlmann; Sarkka, *Bayesian Filtering and Smoothing*, section 5.5). The transform is
+exact for linear ``f``.
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.ops.unscented import unscented_moments
+    >>> m, P = torch.zeros(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64)
+    >>> A = torch.tensor([[1.0, 2.0], [0.0, 3.0]], dtype=torch.float64)
+    >>> mean, cov, cross = unscented_moments(lambda x: x @ A.T, m, P)
+    >>> bool(torch.allclose(cov, A @ A.T))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["sigma_points", "unscented_moments"]
+
+
+def sigma_points(mean: Tensor, cov: Tensor, alpha: float = 1.0, beta: float = 0.0, kappa: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Sigma points and weights.
+
+    Args:
+        mean: ``(d,)``.
+        cov: ``(d, d)`` positive definite.
+        alpha, beta: spread and prior-knowledge parameters.
+        kappa: secondary scaling; ``None`` means ``3 - d`` clipped at 0 (Sarkka's default for
+            small ``d``, kept non-negative so the weights stay valid for larger ``d``).
+
+    Returns:
+        ``(points (2d+1, d), mean_weights (2d+1,), cov_weights (2d+1,))``.
+    """
+    d = mean.shape[-1]
+    kappa = max(3.0 - d, 0.0) if kappa is None else kappa
+    lam = alpha**2 * (d + kappa) - d
+    chol = torch.linalg.cholesky(cov)
+    offsets = (d + lam) ** 0.5 * chol.transpose(-1, -2)  # rows are the scaled columns of L
+    points = torch.cat([mean.unsqueeze(0), mean + offsets, mean - offsets], 0)
+    wm = torch.full((2 * d + 1,), 1.0 / (2 * (d + lam)), dtype=mean.dtype, device=mean.device)
+    wm[0] = lam / (d + lam)
+    wc = wm.clone()
+    wc[0] = wm[0] + 1 - alpha**2 + beta
+    return points, wm, wc
+
+
+def unscented_moments(
+    fn: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor, alpha: float = 1.0, beta: float = 0.0, kappa: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean, covariance and input-output covariance of ``fn(x)``, ``x ~ N(mean, cov)``.
+
+    Args:
+        fn: maps a batch of points ``(n, d)`` to ``(n, e)``.
+        mean: ``(d,)``.
+        cov: ``(d, d)``.
+        alpha, beta, kappa: as in :func:`sigma_points`.
+
+    Returns:
+        ``(mean (e,), cov (e, e), cross (d, e))`` with ``cross = Cov[x, fn(x)]``.
+    """
+    points, wm, wc = sigma_points(mean, cov, alpha, beta, kappa)
+    values = fn(points)
+    f_mean = wm @ values
+    dv = values - f_mean
+    dx = points - mean
+    f_cov = (dv * wc.unsqueeze(-1)).transpose(-1, -2) @ dv
+    cross = (dx * wc.unsqueeze(-1)).transpose(-1, -2) @ dv
+    return f_mean, (f_cov + f_cov.transpose(-1, -2)) / 2, cross
