@@ -11,9 +11,11 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PUBLIC = {
-    "pyro_smc": ["SMC", "SMCELBO"],
+    "pyro_smc": ["SMC", "SMCELBO", "EPSmoother"],
     "pyro_smc.resamplers": ["MultinomialResampler", "SystematicResampler", "StratifiedResampler", "SoftResampler", "OTResampler"],
-    "pyro_smc.models": ["LinearGaussianSSM"],
+    "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM"],
+    "pyro_smc.gp": ["MultiOutputGP"],
+    "pyro_smc.infer": ["extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
 }
 
 
@@ -34,6 +36,14 @@ def test_readme_example_runs():
     assert namespace["smc"].log_evidence.shape == (8,)
     # Data come from the model at theta = 0.8: the estimate is a finite log-evidence near the scale of T.
     assert torch.isfinite(namespace["smc"].log_evidence).all()
+
+
+def test_readme_ep_example_runs():
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]
+    namespace = {}
+    exec(code.replace("max_iter=50", "max_iter=3"), namespace)
+    ep = namespace["ep"]
+    assert ep.means.shape == (100, 1) and len(ep.history) == 3 and ep.first_sweep is not None
 
 
 def test_quickstart_demo_runs(capsys):
