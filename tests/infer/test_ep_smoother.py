@@ -192,3 +192,36 @@ def test_float32_runs():
     _, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(0))
     out = EPSmoother(ssm, projection="unscented", max_iter=3).smooth(ys)
     assert out.means.dtype == torch.float32 and torch.isfinite(out.means).all()
+
+
+def _gp_system(seed, T=15):
+    """The paper's 1-d GP dynamical system (x' = 4 sin x, z = 4 sin x, noise sd 0.1) with GPs."""
+    from pyro_smc.gp import MultiOutputGP
+
+    g = torch.Generator().manual_seed(seed)
+    noise = 0.01 * torch.ones(1, 1)
+    X = 20 * torch.rand(30, 1, generator=g) - 10
+    Y = 4 * torch.sin(X) + 0.1 * torch.randn(30, 1, generator=g)
+    gp = MultiOutputGP(X, Y, lengthscale=1.0, variance=16.0, noise=0.01)
+    true = NonlinearGaussianSSM(lambda x: 4 * torch.sin(x), noise, lambda x: 4 * torch.sin(x), noise, torch.zeros(1), torch.ones(1, 1))
+    learned = NonlinearGaussianSSM(gp, noise, gp, noise, torch.zeros(1), torch.ones(1, 1))
+    xs, ys = true.simulate(T, generator=g)
+    return learned, xs, ys
+
+
+@pytest.mark.parametrize("projection", ["moment_matching", "linearization", "unscented"])
+def test_gp_model_first_sweep_equals_gp_smoothers(projection):
+    ssm, _, ys = _gp_system(0)
+    with torch.no_grad():
+        ep = EPSmoother(ssm, projection=projection, max_iter=1).smooth(ys)
+        plain = gaussian_smoother(ssm, ys, projection)
+    assert torch.allclose(ep.first_sweep.means, plain.means, rtol=1e-9, atol=EXACT_ATOL)
+    assert torch.allclose(ep.first_sweep.covariances, plain.covariances, rtol=1e-9, atol=EXACT_ATOL)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ep_gpads_stays_finite_and_proper(seed):
+    ssm, xs, ys = _gp_system(seed)
+    with torch.no_grad():
+        out = EPSmoother(ssm, projection="moment_matching", max_iter=10).smooth(ys)
+    assert torch.isfinite(out.means).all() and bool(is_proper(out.covariances).all())
