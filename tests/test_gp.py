@@ -56,10 +56,10 @@ def test_default_initialisation_is_data_driven():
     assert torch.allclose(model.lengthscale_unconstrained, model.lengthscale.log())
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "lbfgs"])
-def test_fit_increases_likelihood_and_recovers_lengthscale(optimizer):
+@pytest.mark.parametrize("optimizer, seed", [("adam", 0), ("lbfgs", 0), ("lbfgs", 1)])
+def test_fit_increases_likelihood_and_recovers_lengthscale(optimizer, seed):
     # Draw one GP sample with lengthscales (0.5, 3) and check the fit finds them roughly.
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     n = 150
     X = 6 * torch.rand(n, 2, generator=g) - 3
     true_ell = torch.tensor([0.5, 3.0])
@@ -69,7 +69,7 @@ def test_fit_increases_likelihood_and_recovers_lengthscale(optimizer):
     Y = torch.stack([f, -f], -1) + 0.05 * torch.randn(n, 2, generator=g)
     model = MultiOutputGP(X, Y)
     before = model.log_marginal_likelihood().sum().item()
-    history = model.fit(num_steps=300 if optimizer == "adam" else 100, optimizer=optimizer)
+    history = model.fit(num_steps=150 if optimizer == "adam" else 100, lr=0.1 if optimizer == "adam" else None, optimizer=optimizer)
     after = model.log_marginal_likelihood().sum().item()
     assert after > before + 50
     assert history[0] == pytest.approx(-before) and min(history) < -before

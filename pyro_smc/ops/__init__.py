@@ -6,4 +6,7 @@ Modules:
     sinkhorn: batched log-domain entropic optimal transport with implicit gradients.
     ensemble: the differentiable ensemble transform (OT resampling) as one fused autograd op.
     kalman: Kalman predict/update/RTS steps and the exact log-evidence.
+    gaussian: moment and natural forms of Gaussians, products, division, damping, PSD checks.
+    unscented: sigma points and the unscented transform.
+    gp_moments: SE-ARD GP predictions, Jacobians and exact moments at Gaussian inputs.
 """

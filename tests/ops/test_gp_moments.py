@@ -7,11 +7,16 @@ from pyro_smc.ops.gp_moments import se_ard_kernel, se_ard_linearize, se_ard_mome
 from tests.tolerances import MC_SIGMAS
 
 
-def _posterior(E, D, n, seed, dtype=torch.float64):
-    """A random SE-ARD posterior: (X, beta, gram_inv, lengthscale, variance) and the noise."""
+def _posterior(E, D, n, seed, dtype=torch.float64, groups=None):
+    """A random SE-ARD posterior: (X, beta, gram_inv, lengthscale, variance) and the noise.
+
+    ``groups`` (a list of output indices per group) makes those outputs share one lengthscale.
+    """
     g = torch.Generator().manual_seed(seed)
     X = 1.5 * torch.randn(n, D, generator=g, dtype=torch.float64)
     lengthscale = 0.6 + torch.rand(E, D, generator=g, dtype=torch.float64)
+    for members in groups or []:
+        lengthscale[members] = lengthscale[members[0]].clone()
     variance = 0.5 + torch.rand(E, generator=g, dtype=torch.float64)
     noise = 0.05 + 0.1 * torch.rand(E, generator=g, dtype=torch.float64)
     Y = torch.sin(X @ torch.randn(D, E, generator=g, dtype=torch.float64)) + 0.1 * torch.randn(n, E, generator=g, dtype=torch.float64)
@@ -33,10 +38,10 @@ def _close(a, b, atol, rtol=0.0):
     assert torch.allclose(a, b, atol=atol, rtol=rtol), (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_moments_match_monte_carlo(seed):
+@pytest.mark.parametrize("seed, groups", [(0, None), (1, None), (2, None), (3, [[0, 2]])])
+def test_moments_match_monte_carlo(seed, groups):
     E, D, n, N = 3, 2, 15, 200_000
-    post, noise, g = _posterior(E, D, n, seed)
+    post, noise, g = _posterior(E, D, n, seed, groups=groups)
     mu, S = _input(D, seed)
     M, V, C = se_ard_moments(mu, S, *post)
     x = torch.distributions.MultivariateNormal(mu, S).sample((N,))
@@ -76,9 +81,22 @@ def test_mean_heat_equation():
     post, _, _ = _posterior(E, D, n, 3)
     mu, S = _input(D, 3)
     for a in range(E):
-        dS = torch.autograd.functional.jacobian(lambda s: se_ard_moments(mu, s, *post)[0][a], S)
-        H = torch.autograd.functional.hessian(lambda m: se_ard_moments(m, S, *post)[0][a], mu)
+        dS = torch.autograd.functional.jacobian(lambda s, a=a: se_ard_moments(mu, s, *post)[0][a], S)
+        H = torch.autograd.functional.hessian(lambda m, a=a: se_ard_moments(m, S, *post)[0][a], mu)
         _close((dS + dS.T) / 2, H / 2, atol=1e-8)
+
+
+def test_gradcheck():
+    # Gradients of all three moments with respect to the input mean and (a factor of) the covariance.
+    E, D, n = 2, 2, 6
+    post, noise, _ = _posterior(E, D, n, 4)
+    mu, S = _input(D, 4)
+    A = torch.linalg.cholesky(S).requires_grad_()
+
+    def moments(m, A):
+        return se_ard_moments(m, A @ A.T, *post, noise=noise)
+
+    assert torch.autograd.gradcheck(moments, (mu.requires_grad_(), A))
 
 
 def test_chunked_equals_unchunked():
@@ -93,6 +111,24 @@ def test_chunked_equals_unchunked():
     x = torch.randn(7, 5, D)
     for a, b in zip(se_ard_linearize(x, *post, chunk_size=1), se_ard_linearize(x, *post)):
         _close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("groups", [[[0, 1, 2, 3, 4]], [[0, 3], [1, 2, 4]], [[1, 4]]])
+def test_shared_lengthscales_match_distinct(groups):
+    # Outputs with equal lengthscales share their Q blocks; nudging the lengthscales apart by
+    # 1e-12 (relative) takes the one-pair-at-a-time path and must give the same moments.
+    E, D, n = 6, 2, 14
+    post, noise, _ = _posterior(E, D, n, 11, groups=groups)
+    X, beta, gram_inv, ell, var = post
+    nudged = ell * (1 + 1e-12 * torch.arange(1, E + 1).unsqueeze(-1))
+    mu, S = _input(D, 11)
+    mu = mu + 0.2 * torch.randn(3, D)
+    for chunk_size in (None, 40):
+        shared = se_ard_moments(mu, S, X, beta, gram_inv, ell, var, noise=noise, chunk_size=chunk_size)
+        distinct = se_ard_moments(mu, S, X, beta, gram_inv, nudged, var, noise=noise)
+        for a, b in zip(shared, distinct):
+            _close(a, b, atol=1e-9)
+        assert torch.equal(shared[1], shared[1].transpose(-1, -2))
 
 
 def test_batched_matches_loop():
@@ -124,6 +160,11 @@ def test_degenerate_input_reduces_to_predict(seed):
     _close(M, m, atol=1e-9)
     _close(V, torch.diag(v), atol=1e-8)
     _close(C, torch.zeros(D, E), atol=1e-10)
+    # An exactly singular (zero) covariance is allowed too.
+    M0, V0, C0 = se_ard_moments(mu, torch.zeros(D, D), *post)
+    _close(M0, m, atol=1e-12)
+    _close(V0, torch.diag(v - noise), atol=1e-10)
+    assert torch.equal(C0, torch.zeros(D, E))
 
 
 def test_predict_matches_dense_formulas():

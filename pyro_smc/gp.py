@@ -1,0 +1,245 @@
+"""Independent SE-ARD Gaussian processes, one per output, with exact moments at Gaussian inputs.
+
+:class:`MultiOutputGP` holds ``E`` GP regressions ``y_a = f_a(x) + N(0, sigma_a^2)`` on shared
+inputs ``X`` ``(n, D)``, each with its own ARD lengthscales ``l_a`` ``(D,)``, signal variance
+``alpha_a^2`` and noise ``sigma_a^2`` (zero prior mean, as ``pyro.contrib.gp.models.GPRegression``).
+Hyperparameters are ``PyroParam``\\ s constrained positive (optimised in log space) and named as in
+``pyro.contrib.gp``: ``lengthscale`` ``(E, D)``, ``variance`` ``(E,)``, ``noise`` ``(E,)``.
+:meth:`~MultiOutputGP.fit` maximises the exact log marginal likelihood of all ``E`` GPs at once.
+
+Predictions (:meth:`~MultiOutputGP.predict`, :meth:`~MultiOutputGP.predict_moments`,
+:meth:`~MultiOutputGP.linearize`) are of the latent ``f``; ``noisy=True`` adds ``sigma_a^2``. They
+use a cached posterior (Cholesky-based ``beta`` and ``(K + sigma^2 I)^{-1}``), recomputed whenever the
+hyperparameters or data change, and treat hyperparameters as constants (no gradient flows to
+them; differentiate :meth:`~MultiOutputGP.log_marginal_likelihood` instead). Gradients with
+respect to the inputs ``x``, ``mean`` and ``cov`` do flow.
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.gp import MultiOutputGP
+    >>> X = torch.linspace(-3, 3, 40, dtype=torch.float64).unsqueeze(-1)
+    >>> Y = torch.cat([X.sin(), X.cos()], -1)
+    >>> gp = MultiOutputGP(X, Y, noise=1e-4)
+    >>> losses = gp.fit(num_steps=50, optimizer="lbfgs")
+    >>> x = torch.tensor([[0.5]], dtype=torch.float64)
+    >>> mean, var = gp.predict(x)
+    >>> torch.allclose(mean, torch.cat([x.sin(), x.cos()], -1), atol=1e-2)
+    True
+    >>> M, V, C = gp.predict_moments(torch.zeros(1, dtype=torch.float64), 0.01 * torch.eye(1, dtype=torch.float64))
+    >>> M.shape, V.shape, C.shape
+    (torch.Size([2]), torch.Size([2, 2]), torch.Size([1, 2]))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from pyro.nn import PyroModule, PyroParam
+from torch import Tensor
+from torch.distributions import constraints
+
+from pyro_smc.ops.gp_moments import se_ard_kernel, se_ard_linearize, se_ard_moments, se_ard_predict
+
+__all__ = ["MultiOutputGP"]
+
+
+class _Posterior(NamedTuple):
+    X: Tensor  # (n, D)
+    beta: Tensor  # (E, n)  (K_a + s_a^2 I)^{-1} y_a
+    gram_inv: Tensor  # (E, n, n)
+    lengthscale: Tensor  # (E, D)
+    variance: Tensor  # (E,)
+    noise: Tensor  # (E,)
+
+
+def _finite_matrix(name: str, value: Tensor) -> None:
+    if not torch.isfinite(value).all():
+        raise ValueError(f"{name} has non-finite entries (NaN or inf)")
+
+
+def _hyperparameter(name: str, value: object, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    value = torch.as_tensor(value, dtype=like.dtype, device=like.device).detach()
+    try:
+        value = value.expand(shape).clone()
+    except RuntimeError:
+        raise ValueError(f"{name} must broadcast to shape {shape}, got {tuple(value.shape)}") from None
+    if not torch.isfinite(value).all() or (value <= 0).any():
+        raise ValueError(f"{name} must be positive and finite")
+    return value
+
+
+class MultiOutputGP(PyroModule):
+    """``E`` independent SE-ARD GP regressions on shared inputs.
+
+    Args:
+        X: training inputs ``(n, D)``.
+        Y: training targets ``(n, E)`` (or ``(n,)`` for one output).
+        lengthscale: ARD lengthscales, broadcastable to ``(E, D)``; default: the standard
+            deviation of each input dimension.
+        variance: signal variances ``alpha_a^2``, broadcastable to ``(E,)``; default: the variance
+            of each output.
+        noise: likelihood variances ``sigma_a^2``, broadcastable to ``(E,)``; default:
+            ``0.1 * variance``.
+        jitter: added to the Gram diagonal with the noise, as in ``pyro.contrib.gp``.
+    """
+
+    def __init__(
+        self,
+        X: Tensor,
+        Y: Tensor,
+        lengthscale: Tensor | float | None = None,
+        variance: Tensor | float | None = None,
+        noise: Tensor | float | None = None,
+        jitter: float = 1e-6,
+    ):
+        super().__init__()
+        if not isinstance(X, Tensor) or not X.is_floating_point():
+            X = torch.as_tensor(X, dtype=torch.get_default_dtype())
+        if X.dim() != 2 or X.shape[0] < 1:
+            raise ValueError(f"X must have shape (n, D) with n >= 1, got {tuple(X.shape)}")
+        Y = torch.as_tensor(Y, dtype=X.dtype, device=X.device)
+        if Y.dim() == 1:
+            Y = Y.unsqueeze(-1)
+        if Y.dim() != 2 or Y.shape[0] != X.shape[0]:
+            raise ValueError(f"Y must have shape ({X.shape[0]}, E) to match X, got {tuple(Y.shape)}")
+        _finite_matrix("X", X)
+        _finite_matrix("Y", Y)
+        if jitter < 0 or not math.isfinite(jitter):
+            raise ValueError(f"jitter must be non-negative, got {jitter}")
+        self.register_buffer("X", X)
+        self.register_buffer("Y", Y)
+        self.jitter = float(jitter)
+        E, D = Y.shape[1], X.shape[1]
+
+        def data_scale(v: Tensor) -> Tensor:
+            return torch.where(v > 0, v, torch.ones_like(v))
+
+        if lengthscale is None:
+            lengthscale = data_scale(X.std(0, unbiased=False)).expand(E, D)
+        if variance is None:
+            variance = data_scale(Y.var(0, unbiased=False))
+        self.lengthscale = PyroParam(_hyperparameter("lengthscale", lengthscale, (E, D), X), constraints.positive)
+        self.variance = PyroParam(_hyperparameter("variance", variance, (E,), X), constraints.positive)
+        if noise is None:
+            noise = 0.1 * self.variance.detach()
+        self.noise = PyroParam(_hyperparameter("noise", noise, (E,), X), constraints.positive)
+        self._cache: tuple[tuple, _Posterior] | None = None
+
+    @property
+    def input_dim(self) -> int:
+        """``D``."""
+        return self.X.shape[1]
+
+    @property
+    def output_dim(self) -> int:
+        """``E``."""
+        return self.Y.shape[1]
+
+    def _gram_cholesky(self, lengthscale: Tensor, variance: Tensor, noise: Tensor) -> Tensor:
+        K = se_ard_kernel(self.X, self.X, lengthscale, variance)
+        eye = torch.eye(self.X.shape[0], dtype=K.dtype, device=K.device)
+        return torch.linalg.cholesky(K + (noise + self.jitter)[:, None, None] * eye)
+
+    def log_marginal_likelihood(self) -> Tensor:
+        """Exact ``log p(y_a | X)`` of each output, ``(E,)``; differentiable in the hyperparameters."""
+        L = self._gram_cholesky(self.lengthscale, self.variance, self.noise)
+        alpha = torch.linalg.solve_triangular(L, self.Y.T.unsqueeze(-1), upper=False).squeeze(-1)
+        n = self.X.shape[0]
+        log_det_half = torch.diagonal(L, dim1=-2, dim2=-1).log().sum(-1)
+        return -0.5 * (alpha * alpha).sum(-1) - log_det_half - 0.5 * n * math.log(2 * math.pi)
+
+    def fit(self, num_steps: int = 200, lr: float | None = None, optimizer: str = "adam") -> list[float]:
+        """Maximises the summed log marginal likelihood over the (log) hyperparameters.
+
+        Args:
+            num_steps: Adam steps, or the maximum number of L-BFGS iterations.
+            lr: learning rate (default 0.05 for Adam, 1.0 for L-BFGS with a strong-Wolfe line search).
+            optimizer: ``"adam"`` or ``"lbfgs"``.
+
+        Returns:
+            The loss ``-sum_a log p(y_a | X)`` at every evaluation.
+        """
+        if optimizer not in ("adam", "lbfgs"):
+            raise ValueError(f"optimizer must be 'adam' or 'lbfgs', got {optimizer!r}")
+        if num_steps < 0:
+            raise ValueError(f"num_steps must be non-negative, got {num_steps}")
+        params = list(self.parameters())
+        history: list[float] = []
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            loss = -self.log_marginal_likelihood().sum()
+            loss.backward()
+            history.append(loss.item())
+            return loss
+
+        with torch.enable_grad():
+            if optimizer == "adam":
+                opt = torch.optim.Adam(params, lr=0.05 if lr is None else lr)
+                for _ in range(num_steps):
+                    closure()
+                    opt.step()
+            elif num_steps > 0:
+                opt = torch.optim.LBFGS(params, lr=1.0 if lr is None else lr, max_iter=num_steps, line_search_fn="strong_wolfe")
+                opt.step(closure)
+        self._cache = None
+        return history
+
+    def _posterior(self) -> _Posterior:
+        # Cached under the current hyperparameter values and data (compared by value and version).
+        with torch.no_grad():
+            hyper = (self.lengthscale.detach(), self.variance.detach(), self.noise.detach())
+            key = (self.X.data_ptr(), self.X._version, self.Y.data_ptr(), self.Y._version, self.X.dtype, self.X.device, self.jitter)
+            if self._cache is not None:
+                old_key, post = self._cache
+                if old_key == key and all(torch.equal(h, c) for h, c in zip(hyper, post[3:])):
+                    return post
+            L = self._gram_cholesky(*hyper)
+            beta = torch.cholesky_solve(self.Y.T.unsqueeze(-1), L).squeeze(-1)
+            post = _Posterior(self.X.detach(), beta, torch.cholesky_inverse(L), *(h.clone() for h in hyper))
+        self._cache = (key, post)
+        return post
+
+    def _as_input(self, name: str, value: Tensor, event_dims: int) -> Tensor:
+        value = torch.as_tensor(value, dtype=self.X.dtype, device=self.X.device)
+        D = self.input_dim
+        if value.dim() < event_dims or any(s != D for s in value.shape[value.dim() - event_dims :]):
+            raise ValueError(f"{name} must have shape (..., {', '.join(['D'] * event_dims)}) with D = {D}, got {tuple(value.shape)}")
+        return value
+
+    def predict(self, x: Tensor, noisy: bool = False) -> tuple[Tensor, Tensor]:
+        """Posterior mean and variance at ``x`` ``(..., D)``.
+
+        Returns:
+            ``(mean, var)``, each ``(..., E)``: of the latent function, or of a new noisy
+            observation (``var + sigma^2``) if ``noisy``.
+        """
+        x = self._as_input("x", x, 1)
+        post = self._posterior()
+        return se_ard_predict(x, *post[:5], noise=post.noise if noisy else None)
+
+    def linearize(self, x: Tensor, noisy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Posterior mean ``(..., E)``, its Jacobian ``d mean / d x`` ``(..., E, D)`` and the
+        variance ``(..., E)`` at ``x`` ``(..., D)`` (the GP-EKS linearisation)."""
+        x = self._as_input("x", x, 1)
+        post = self._posterior()
+        return se_ard_linearize(x, *post[:5], noise=post.noise if noisy else None)
+
+    def predict_moments(self, mean: Tensor, cov: Tensor, noisy: bool = False, chunk_size: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Exact moments of ``f(x)`` (``+ noise`` if ``noisy``) for ``x ~ N(mean, cov)``.
+
+        Args:
+            mean: ``(..., D)``.
+            cov: ``(..., D, D)``, positive semi-definite.
+            noisy: add the likelihood variances to the covariance's diagonal.
+            chunk_size: elements per temporary block, see :func:`pyro_smc.ops.gp_moments.se_ard_moments`.
+
+        Returns:
+            ``(M (..., E), V (..., E, E), C (..., D, E))``: mean, covariance and ``Cov[x, f(x)]``.
+        """
+        mean = self._as_input("mean", mean, 1)
+        cov = self._as_input("cov", cov, 2)
+        post = self._posterior()
+        return se_ard_moments(mean, cov, *post[:5], noise=post.noise if noisy else None, chunk_size=chunk_size)
