@@ -170,10 +170,17 @@ class MultiOutputGP(PyroModule):
 
         def closure() -> Tensor:
             opt.zero_grad()
-            loss = -self.log_marginal_likelihood().sum()
+            try:
+                loss = -self.log_marginal_likelihood().sum()
+            except torch.linalg.LinAlgError:
+                # A trial step of the line search left the region where the Gram matrix is
+                # numerically PD: report an infinite loss so the search backs off.
+                return torch.tensor(math.inf, dtype=self.X.dtype, device=self.X.device)
             loss.backward()
             history.append(loss.item())
             return loss
+
+        saved = [p.detach().clone() for p in params]
 
         with torch.enable_grad():
             if optimizer == "adam":
@@ -184,6 +191,12 @@ class MultiOutputGP(PyroModule):
             elif num_steps > 0:
                 opt = torch.optim.LBFGS(params, lr=1.0 if lr is None else lr, max_iter=num_steps, line_search_fn="strong_wolfe")
                 opt.step(closure)
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            with torch.no_grad():
+                for p, value in zip(params, saved):
+                    p.copy_(value)
+            self._cache = None
+            raise RuntimeError(f"MultiOutputGP.fit: the {optimizer} iterations diverged; hyperparameters restored. Try a smaller lr.")
         self._cache = None
         return history
 

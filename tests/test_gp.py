@@ -189,3 +189,16 @@ def test_bad_calls():
         model.predict_moments(torch.zeros(2), torch.eye(3))
     with pytest.raises(ValueError, match="optimizer"):
         model.fit(optimizer="sgd")
+
+
+@pytest.mark.parametrize("seed", [1, 4, 7])
+def test_lbfgs_line_search_backs_off_instead_of_diverging(seed):
+    # Regression: strong-Wolfe trial steps used to drive the log-hyperparameters to +-inf.
+    g = torch.Generator().manual_seed(seed)
+    X = -10 + 20 * torch.rand(30, 1, generator=g)
+    Y = 4 * torch.sin(X) + 0.1 * torch.randn(30, 1, generator=g)
+    gp = MultiOutputGP(X, Y)
+    start = float(gp.log_marginal_likelihood().sum())
+    history = gp.fit(num_steps=100, optimizer="lbfgs")
+    assert all(bool(torch.isfinite(p).all()) for p in (gp.lengthscale, gp.variance, gp.noise))
+    assert -history[-1] > start

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.infer.gaussian_smoothers import GaussianSmootherResult, check_observations
-from pyro_smc.infer.projections import PROJECTIONS, project
+from pyro_smc.infer.projections import PROJECTIONS, project, unscented_settings
 from pyro_smc.ops.gaussian import damp, is_proper, symmetrize, to_moment, to_natural
 
 __all__ = ["EPSmoother"]
@@ -69,7 +69,8 @@ class EPSmoother:
         power: ``alpha`` in ``(0, 1]`` of power EP (cavities ``q / q_i^alpha``), from the second
             sweep on. 1 is plain EP.
         tol: stop when no marginal's mean or covariance entry changed by more than this.
-        unscented: ``alpha``, ``beta``, ``kappa`` of the sigma points.
+        unscented: ``alpha``, ``beta``, ``kappa`` of the sigma points, or
+            ``{"transition": {...}, "observation": {...}}`` to set them per factor.
 
     An update whose cavity is not a proper Gaussian is skipped; one that would make the marginal
     improper is retried with the damping halved (up to three times) and then skipped. Both are
@@ -102,20 +103,22 @@ class EPSmoother:
         self.power = float(power)
         self.tol = float(tol)
         self.unscented = unscented
+        self._ut_transition = unscented_settings(unscented, "transition")
+        self._ut_observation = unscented_settings(unscented, "observation")
 
     # --- one projection per factor ------------------------------------------------------------
     def _transition(self, cavity: Natural, t: int):
         """Implicit linear model of ``x_{t+1} = f(x_t) + w`` at the cavity on ``x_t``."""
         mean, cov = to_moment(*cavity)
         ssm = self.ssm
-        M, S, C = project(ssm.transition, mean, cov, t, self.projection, ssm.transition_cov, ssm.transition_takes_time, self.unscented)
+        M, S, C = project(ssm.transition, mean, cov, t, self.projection, ssm.transition_cov, ssm.transition_takes_time, self._ut_transition)
         J = torch.linalg.solve(cov, C).transpose(-1, -2)  # C^T P^{-1}
         return mean, J, M, S, symmetrize(S - J @ C)
 
     def _measurement(self, cavity: Natural, y: Tensor, t: int) -> Natural:
         mean, cov = to_moment(*cavity)
         ssm = self.ssm
-        mu, S_y, C = project(ssm.observation, mean, cov, t, self.projection, ssm.observation_cov, ssm.observation_takes_time, self.unscented)
+        mu, S_y, C = project(ssm.observation, mean, cov, t, self.projection, ssm.observation_cov, ssm.observation_takes_time, self._ut_observation)
         J = torch.linalg.solve(cov, C).transpose(-1, -2)
         noise = symmetrize(S_y - J @ C)
         c = mu - J @ mean
@@ -167,9 +170,9 @@ class EPSmoother:
             gamma = 1.0 if sweep == 0 else self.damping
             skipped = 0
 
-            def accept(messages: list, t: int, new: Natural) -> None:
+            def accept(messages: list, t: int, new: Natural, g: float = gamma) -> None:
                 nonlocal skipped
-                old, g = messages[t], gamma
+                old = messages[t]
                 for _ in range(4):
                     messages[t] = damp(old, new, g)
                     if bool(is_proper(marginal(t)[1])):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.projections import PROJECTIONS, project
+from pyro_smc.infer.projections import PROJECTIONS, project, unscented_settings
 from pyro_smc.ops.gaussian import symmetrize
 
 __all__ = [
@@ -107,17 +107,18 @@ def _check_projection(projection: str) -> None:
 
 def _filter(ssm, observations: Tensor, projection: str, unscented: dict | None):
     _check_projection(projection)
+    ut_transition, ut_observation = unscented_settings(unscented, "transition"), unscented_settings(unscented, "observation")
     ys, observed = check_observations(observations, ssm.obs_dim)
     m, P = ssm.init_mean, ssm.init_cov
     means, covs, predictions = [], [], []
     log_lik = ys.new_zeros(())
     for t in range(ys.shape[0]):
         if t > 0:
-            M, S, C = project(ssm.transition, m, P, t - 1, projection, ssm.transition_cov, ssm.transition_takes_time, unscented)
+            M, S, C = project(ssm.transition, m, P, t - 1, projection, ssm.transition_cov, ssm.transition_takes_time, ut_transition)
             predictions.append((M, S, C))
             m, P = M, S
         if bool(observed[t]):
-            mu, S_y, C_y = project(ssm.observation, m, P, t, projection, ssm.observation_cov, ssm.observation_takes_time, unscented)
+            mu, S_y, C_y = project(ssm.observation, m, P, t, projection, ssm.observation_cov, ssm.observation_takes_time, ut_observation)
             gain_t = torch.linalg.solve(S_y, C_y.transpose(-1, -2))  # K^T = S_y^{-1} C_y^T
             m = m + (ys[t] - mu) @ gain_t
             P = symmetrize(P - C_y @ gain_t)
@@ -134,7 +135,8 @@ def gaussian_filter(ssm, observations: Tensor, projection: str = "unscented", un
         ssm: a :class:`pyro_smc.models.NonlinearGaussianSSM`.
         observations: ``(T, e)``; a step with NaN entries is a missing measurement.
         projection: ``"linearization"``, ``"unscented"`` or ``"moment_matching"``.
-        unscented: ``alpha``, ``beta``, ``kappa`` of the sigma points (defaults 1, 0, ``3 - d``).
+        unscented: ``alpha``, ``beta``, ``kappa`` of the sigma points (defaults 1, 0, ``3 - d``),
+            or ``{"transition": {...}, "observation": {...}}`` to set them per factor.
 
     Returns:
         :class:`GaussianSmootherResult` with the filtering marginals and ``log_likelihood``.

@@ -33,9 +33,26 @@ from torch import Tensor
 from pyro_smc.models.nonlinear_gaussian import is_gp
 from pyro_smc.ops.unscented import sigma_points, unscented_moments
 
-__all__ = ["PROJECTIONS", "project"]
+__all__ = ["PROJECTIONS", "project", "unscented_settings"]
 
 PROJECTIONS = ("moment_matching", "linearization", "unscented")
+
+
+def unscented_settings(unscented: dict | None, factor: str) -> dict | None:
+    """Sigma-point settings for ``factor`` (``"transition"`` or ``"observation"``).
+
+    ``unscented`` is either one dict of ``alpha``, ``beta``, ``kappa`` for every factor, or a dict
+    with ``"transition"`` and/or ``"observation"`` keys holding such dicts (Kamthe et al. use
+    ``kappa = 3`` for the dynamics and ``kappa = 2`` for the measurement).
+    """
+    if not unscented:
+        return None
+    if set(unscented) <= {"transition", "observation"}:
+        return unscented.get(factor)
+    unknown = set(unscented) - {"alpha", "beta", "kappa"}
+    if unknown:
+        raise ValueError(f"unscented: unknown keys {sorted(unknown)}; use alpha, beta, kappa or transition/observation dicts")
+    return unscented
 
 
 def project(

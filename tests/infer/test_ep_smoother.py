@@ -225,3 +225,16 @@ def test_ep_gpads_stays_finite_and_proper(seed):
     with torch.no_grad():
         out = EPSmoother(ssm, projection="moment_matching", max_iter=10).smooth(ys)
     assert torch.isfinite(out.means).all() and bool(is_proper(out.covariances).all())
+
+
+def test_unscented_settings_per_factor():
+    ssm = _growth_model()
+    _, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(0))
+    ut = {"alpha": 1.0, "beta": 2.0, "kappa": 3.0}
+    same = EPSmoother(ssm, projection="unscented", max_iter=2, unscented=ut).smooth(ys)
+    split = EPSmoother(ssm, projection="unscented", max_iter=2, unscented={"transition": ut, "observation": ut}).smooth(ys)
+    assert torch.equal(same.means, split.means)
+    other = EPSmoother(ssm, projection="unscented", max_iter=2, unscented={"transition": ut, "observation": {**ut, "kappa": 2.0}}).smooth(ys)
+    assert not torch.allclose(other.means, same.means)
+    with pytest.raises(ValueError, match="unknown keys"):
+        EPSmoother(ssm, unscented={"lambda": 1.0})
