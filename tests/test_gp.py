@@ -198,7 +198,7 @@ def test_lbfgs_line_search_backs_off_instead_of_diverging(seed):
     X = -10 + 20 * torch.rand(30, 1, generator=g)
     Y = 4 * torch.sin(X) + 0.1 * torch.randn(30, 1, generator=g)
     gp = MultiOutputGP(X, Y)
-    start = float(gp.log_marginal_likelihood().sum())
+    start = float(gp.log_marginal_likelihood().sum().detach())
     history = gp.fit(num_steps=100, optimizer="lbfgs")
     assert all(bool(torch.isfinite(p).all()) for p in (gp.lengthscale, gp.variance, gp.noise))
     assert -history[-1] > start
