@@ -15,6 +15,7 @@ PUBLIC = {
     "pyro_smc.resamplers": ["MultinomialResampler", "SystematicResampler", "StratifiedResampler", "SoftResampler", "OTResampler"],
     "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM"],
     "pyro_smc.gp": ["MultiOutputGP"],
+    "pyro_smc.distributions": ["MatrixNormal"],
     "pyro_smc.infer": ["extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
 }
 

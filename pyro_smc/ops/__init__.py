@@ -9,4 +9,5 @@ Modules:
     gaussian: moment and natural forms of Gaussians, products, division, damping, PSD checks.
     unscented: sigma points and the unscented transform.
     gp_moments: SE-ARD GP predictions, Jacobians and exact moments at Gaussian inputs.
+    kronecker: Kronecker products, solves and log-dets without forming the product.
 """

@@ -1,0 +1,220 @@
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from torch.distributions import MultivariateNormal, kl_divergence
+
+import pyro_smc.distributions as pd
+from pyro_smc.distributions import MatrixNormal
+from tests.tolerances import EXACT_ATOL, EXACT_RTOL, MC_SIGMAS
+
+SHAPES = [(1, 1), (3, 2), (2, 4)]
+BATCHES = [(), (2,)]
+
+
+def _vec(w):
+    return w.transpose(-1, -2).reshape(*w.shape[:-2], w.shape[-1] * w.shape[-2])
+
+
+def _tril(batch, d, g):
+    lower = torch.randn(*batch, d, d, generator=g).tril(-1) * 0.5
+    return lower + torch.diag_embed(torch.rand(*batch, d, generator=g) + 0.5)
+
+
+def _random_mn(n, p, batch=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return MatrixNormal(torch.randn(*batch, n, p, generator=g), _tril(batch, n, g), _tril(batch, p, g))
+
+
+def _dense(d):
+    """The same law as a MultivariateNormal on column-major vec(W), covariance kron(V, U), via torch.kron."""
+    n, p = d.event_shape
+    batch = d.batch_shape
+    us = d.row_covariance.reshape(-1, n, n)
+    vs = d.column_covariance.reshape(-1, p, p)
+    cov = torch.stack([torch.kron(v, u) for u, v in zip(us, vs)]).reshape(*batch, n * p, n * p)
+    return MultivariateNormal(_vec(d.loc), covariance_matrix=cov)
+
+
+def _close(a, b, factor=100):
+    return torch.allclose(a, b, rtol=EXACT_RTOL * factor, atol=EXACT_ATOL * factor)
+
+
+def test_all_names_resolve():
+    assert pd.__all__ == ["MatrixNormal"]
+    assert pd.MatrixNormal is MatrixNormal
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("n,p", SHAPES)
+def test_log_prob_and_entropy_match_dense_mvn(n, p, batch):
+    d = _random_mn(n, p, batch, seed=n + 10 * p)
+    assert d.batch_shape == batch and d.event_shape == (n, p)
+    mvn = _dense(d)
+    w = d.sample((5,))
+    assert w.shape == (5, *batch, n, p)
+    assert _close(d.log_prob(w), mvn.log_prob(_vec(w)))
+    assert _close(d.entropy(), mvn.entropy())
+    assert _close(_vec(d.variance), mvn.variance)
+    assert torch.equal(d.mean, d.loc)
+
+
+def test_batch_broadcasting_and_expand():
+    g = torch.Generator().manual_seed(1)
+    loc, lr, lc = torch.randn(3, 1, 4, 2, generator=g), _tril((5,), 4, g), _tril((), 2, g)
+    d = MatrixNormal(loc, lr, lc)
+    assert d.batch_shape == (3, 5)
+    w = d.sample()
+    ref = MatrixNormal(loc[:, 0][1], lr[2], lc).log_prob(w[1, 2])
+    assert _close(d.log_prob(w)[1, 2], ref)
+    e = _random_mn(4, 2).expand((6,))
+    assert e.batch_shape == (6,) and e.sample((2,)).shape == (2, 6, 4, 2)
+    assert _close(e.log_prob(w[0, 0]), _random_mn(4, 2).log_prob(w[0, 0]).expand(6))
+
+
+@pytest.mark.parametrize("n,p", [(3, 2), (2, 3)])
+def test_sample_moments_within_mc_error_bars(n, p):
+    d = _random_mn(n, p, seed=5)
+    mvn = _dense(d)
+    num = 20000
+    x = _vec(d.sample((num,)))  # (num, np)
+    # mean of each coordinate
+    mean_err = (x.mean(0) - mvn.mean).abs()
+    assert (mean_err < MC_SIGMAS * x.std(0) / num**0.5).all()
+    # each covariance entry is the mean of z_i z_j with z centred at the true mean
+    z = x - mvn.mean
+    prods = z.unsqueeze(-1) * z.unsqueeze(-2)
+    cov_err = (prods.mean(0) - mvn.covariance_matrix).abs()
+    assert (cov_err < MC_SIGMAS * prods.std(0) / num**0.5).all()
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("n,p", SHAPES)
+def test_kl_matrix_normal_matches_dense_and_monte_carlo(n, p, batch):
+    q, r = _random_mn(n, p, batch, seed=1), _random_mn(n, p, batch, seed=2)
+    kl = kl_divergence(q, r)
+    assert kl.shape == batch
+    assert _close(kl, kl_divergence(_dense(q), _dense(r)))
+    assert _close(kl_divergence(q, q), torch.zeros(batch), factor=1e4)
+    num = 4000
+    w = q.sample((num,))
+    est = q.log_prob(w) - r.log_prob(w)
+    assert ((est.mean(0) - kl).abs() < MC_SIGMAS * est.std(0) / num**0.5).all()
+
+
+@pytest.mark.parametrize("prior_kind", ["isotropic", "elementwise", "batched"])
+def test_kl_to_independent_normal_matches_dense_and_monte_carlo(prior_kind):
+    n, p = 3, 2
+    g = torch.Generator().manual_seed(4)
+    if prior_kind == "isotropic":
+        q = _random_mn(n, p, seed=3)
+        prior = dist.Normal(0.0, 1.0).expand([n, p]).to_event(2)
+    elif prior_kind == "elementwise":
+        q = _random_mn(n, p, seed=3)
+        prior = dist.Normal(torch.randn(n, p, generator=g), torch.rand(n, p, generator=g) + 0.5).to_event(2)
+    else:  # batch (2,), scale broadcast along rows, Independent nested
+        q = _random_mn(n, p, (2,), seed=3)
+        prior = torch.distributions.Independent(
+            torch.distributions.Independent(dist.Normal(torch.randn(2, n, p, generator=g), torch.rand(p, generator=g) + 0.5), 1), 1
+        )
+    kl = kl_divergence(q, prior)
+    assert kl.shape == q.batch_shape
+    loc, scale = prior.base_dist.mean, prior.base_dist.stddev
+    dense_prior = MultivariateNormal(_vec(loc), covariance_matrix=torch.diag_embed(_vec(scale.pow(2).expand_as(loc))))
+    assert _close(kl, kl_divergence(_dense(q), dense_prior))
+    num = 4000
+    w = q.sample((num,))
+    est = q.log_prob(w) - prior.log_prob(w)
+    assert ((est.mean(0) - kl).abs() < MC_SIGMAS * est.std(0) / num**0.5).all()
+
+
+def test_kl_to_other_independent_is_not_implemented():
+    q = _random_mn(2, 2)
+    with pytest.raises(NotImplementedError):
+        kl_divergence(q, dist.Laplace(0.0, 1.0).expand([2, 2]).to_event(2))
+    with pytest.raises(NotImplementedError):
+        kl_divergence(q, dist.Normal(0.0, 1.0).expand([2, 2, 2]).to_event(3))
+
+
+def test_gradients_reach_every_parameter():
+    g = torch.Generator().manual_seed(7)
+    loc, lr, lc = torch.randn(3, 2, generator=g), _tril((), 3, g), _tril((), 2, g)
+    w = torch.randn(3, 2, generator=g)
+    params = [t.clone().requires_grad_(True) for t in (loc, lr, lc, w)]
+    assert torch.autograd.gradcheck(lambda m, a, b, x: MatrixNormal(m, a.tril(), b.tril()).log_prob(x), params)
+    # rsample is a reparametrised path: gradients flow to loc and both scale_trils
+    m, a, b = (t.clone().requires_grad_(True) for t in (loc, lr, lc))
+    MatrixNormal(m, a, b).rsample((4,)).pow(2).sum().backward()
+    assert all(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in (m, a, b))
+    assert MatrixNormal.has_rsample
+
+
+@pytest.mark.parametrize(
+    "args,name",
+    [
+        ((torch.zeros(3), torch.eye(3), torch.eye(1)), "loc"),
+        ((torch.zeros(3, 2), torch.eye(2), torch.eye(2)), "scale_tril_row"),
+        ((torch.zeros(3, 2), torch.ones(3, 2), torch.eye(2)), "scale_tril_row"),
+        ((torch.zeros(3, 2), torch.eye(3), torch.eye(3)), "scale_tril_col"),
+        ((torch.zeros(2, 3, 2), torch.eye(3).expand(4, 3, 3), torch.eye(2)), "broadcast"),
+    ],
+)
+def test_bad_shapes_raise_value_error_naming_the_argument(args, name):
+    with pytest.raises(ValueError, match=name):
+        MatrixNormal(*args)
+
+
+def test_validate_args_rejects_non_cholesky_scale():
+    with pytest.raises(ValueError, match="scale_tril_row"):
+        MatrixNormal(torch.zeros(2, 2), -torch.eye(2), torch.eye(2), validate_args=True)
+
+
+def test_float32():
+    d = _random_mn(3, 2, (2,), seed=9)
+    d32 = MatrixNormal(d.loc.float(), d.scale_tril_row.float(), d.scale_tril_col.float())
+    prior32 = dist.Normal(torch.zeros(3, 2, dtype=torch.float32), 1.0).to_event(2)
+    prior64 = dist.Normal(torch.zeros(3, 2), 1.0).to_event(2)
+    w = d32.rsample((3,))
+    assert w.dtype == torch.float32
+    for a, b in [
+        (d32.log_prob(w), d.log_prob(w.double())),
+        (d32.entropy(), d.entropy()),
+        (kl_divergence(d32, prior32), kl_divergence(d, prior64)),
+        (kl_divergence(d32, d32), kl_divergence(d, d)),
+    ]:
+        assert a.dtype == torch.float32
+        assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def _model():
+    pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2))
+
+
+def _guide():
+    loc = pyro.param("loc", torch.full((3, 2), 0.3))
+    lr = pyro.param("lr", torch.eye(3) * 0.7, constraint=dist.constraints.lower_cholesky)
+    lc = pyro.param("lc", torch.eye(2) * 1.2 + 0.1 * torch.ones(2, 2).tril(-1), constraint=dist.constraints.lower_cholesky)
+    pyro.sample("w", MatrixNormal(loc, lr, lc))
+
+
+def test_trace_mean_field_elbo_uses_analytic_kl():
+    # With no observations the ELBO is -KL(q || p); TraceMeanField_ELBO returns it exactly (no sampling
+    # noise), which is only possible through the registered closed form.
+    loss = pyro.infer.TraceMeanField_ELBO().loss(_model, _guide)
+    q = MatrixNormal(pyro.param("loc"), pyro.param("lr"), pyro.param("lc"))
+    kl = float(kl_divergence(q, dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2)).detach())
+    assert loss == pytest.approx(kl, rel=1e-10)
+    assert loss == pyro.infer.TraceMeanField_ELBO().loss(_model, _guide)
+    # Trace_ELBO's Monte Carlo estimate of the same loss agrees within error bars.
+    num = 2000
+    w = q.sample((num,))
+    est = (q.log_prob(w) - dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2).log_prob(w)).detach()
+    mc = pyro.infer.Trace_ELBO(num_particles=num, vectorize_particles=True, max_plate_nesting=0).loss(_model, _guide)
+    assert abs(mc - loss) < MC_SIGMAS * float(est.std()) / num**0.5
+
+
+def test_svi_step_runs_with_trace_mean_field_elbo():
+    svi = pyro.infer.SVI(_model, _guide, pyro.optim.Adam({"lr": 0.05}), pyro.infer.TraceMeanField_ELBO())
+    losses = [svi.step() for _ in range(20)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
