@@ -16,6 +16,7 @@ PUBLIC = {
     "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM"],
     "pyro_smc.gp": ["MultiOutputGP"],
     "pyro_smc.distributions": ["MatrixNormal"],
+    "pyro_smc.guides": ["AutoKroneckerFlow"],
     "pyro_smc.infer": ["extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
 }
 
