@@ -48,6 +48,13 @@ def test_readme_ep_example_runs():
     assert ep.means.shape == (100, 1) and len(ep.history) == 3 and ep.first_sweep is not None
 
 
+def test_readme_kronecker_example_runs():
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[2]
+    namespace = {}
+    exec(code.replace("range(500)", "range(5)"), namespace)
+    assert namespace["guide"].median(namespace["x"])["w"].shape == (5, 2)
+
+
 def test_quickstart_demo_runs(capsys):
     from pyro_smc.__main__ import main
 
