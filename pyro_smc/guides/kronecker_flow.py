@@ -79,7 +79,9 @@ class _KroneckerAffine(Transform):
     bijective = True
 
     def __init__(self, loc: Tensor, a: Tensor, b: Tensor):
-        super().__init__()
+        # Cache the pre-image: log q of the guide's own samples must use the exact noise, not a
+        # triangular solve, whose error an optimiser can exploit when A or B is ill-conditioned.
+        super().__init__(cache_size=1)
         self.loc, self.a, self.b = loc, a, b
 
     def _call(self, x: Tensor) -> Tensor:

@@ -181,3 +181,22 @@ def test_fitted_linear_guide_reaches_the_exact_evidence():
     se = float(elbos.std()) / math.sqrt(len(elbos))
     assert gap > -5 * se  # the ELBO never exceeds the evidence
     assert gap < 0.1 + 5 * se
+
+
+def test_nonlinear_log_density_equals_the_brute_force_change_of_variables():
+    # log q(W) = log N(E) - log|det dW/dE| with the full (np x np) Jacobian of E -> W.
+    guide = AutoKroneckerFlow(lambda: pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 4]).to_event(2)), kind="nonlinear", hidden_dims=(8,))
+    guide()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for q in guide.parameters():
+            q.add_(0.3 * torch.randn(q.shape, generator=g))
+    site = next(guide.prototype_trace.iter_stochastic_nodes())[1]
+    posterior = guide._posterior("w", site)
+    E = torch.randn(3, 4, generator=g)
+    transform = torch.distributions.transforms.ComposeTransform(posterior.transforms)
+    W = transform(E)
+    jac = torch.autograd.functional.jacobian(lambda e: transform(e.reshape(3, 4)).reshape(-1), E.reshape(-1))
+    expected = dist.Normal(0.0, 1.0).log_prob(E).sum() - torch.linalg.slogdet(jac)[1]
+    assert torch.allclose(posterior.log_prob(W), expected, atol=1e-8)
+    assert torch.allclose(posterior.log_prob(W.clone()), expected, atol=1e-8)  # without the cache
