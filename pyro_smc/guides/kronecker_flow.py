@@ -222,6 +222,33 @@ class AutoKroneckerFlow(AutoGuide):
         return out
 
 
+    @torch.no_grad()
+    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, Tensor]:
+        """Marginal quantiles of every site, ``(len(quantiles), *site_shape)``.
+
+        Exact for ``"diag"`` and ``"linear"`` (each entry of a matrix normal is normal with
+        variance ``U_ii V_jj``, and the support transform is monotone); not defined for
+        ``"nonlinear"`` (the flow's marginals have no closed form).
+        """
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        if self.kind == "nonlinear" and self._matrix_shapes:
+            raise NotImplementedError("AutoKroneckerFlow.quantiles is not defined for kind='nonlinear'")
+        out = {}
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            key = name.replace(".", "__")
+            loc = getattr(self.locs, key)
+            if name in self._matrix_shapes:
+                a, b = self._factors(name)
+                scale = (a.square().sum(-1).unsqueeze(-1) * b.square().sum(-1).unsqueeze(-2)).sqrt()
+            else:
+                scale = getattr(self.scales, key)
+            q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device).reshape((-1,) + (1,) * loc.dim())
+            values = dist.Normal(loc, scale).icdf(q)
+            out[name] = biject_to(site["fn"].support)(values.reshape((-1,) + site["value"].shape))
+        return out
+
+
 def _is_identity(transform: Transform) -> bool:
     base = transform
     while isinstance(base, torch.distributions.transforms.IndependentTransform):

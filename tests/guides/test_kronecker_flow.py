@@ -200,3 +200,24 @@ def test_nonlinear_log_density_equals_the_brute_force_change_of_variables():
     expected = dist.Normal(0.0, 1.0).log_prob(E).sum() - torch.linalg.slogdet(jac)[1]
     assert torch.allclose(posterior.log_prob(W), expected, atol=1e-8)
     assert torch.allclose(posterior.log_prob(W.clone()), expected, atol=1e-8)  # without the cache
+
+
+@pytest.mark.parametrize("kind", ["diag", "linear"])
+def test_quantiles_match_sample_quantiles(kind):
+    x, y = _data()
+    guide = AutoKroneckerFlow(regression, kind=kind)
+    guide(x, y)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for q in guide.parameters():
+            q.add_(0.2 * torch.randn(q.shape, generator=g))
+    quantiles = guide.quantiles([0.1, 0.5, 0.9])
+    assert quantiles["w"].shape == (3, 3, 2) and quantiles["s"].shape == (3,)
+    assert torch.allclose(quantiles["w"][1], guide.median()["w"], atol=1e-10)
+    draws = torch.stack([guide(x, y)["w"] for _ in range(4000)])
+    empirical = torch.quantile(draws, torch.tensor([0.1, 0.9]), dim=0)
+    # Sample quantiles of 4000 normal draws: sd about 1.7 sigma / sqrt(n) at the 10 % level.
+    sd = draws.std(0)
+    assert ((empirical - quantiles["w"][[0, 2]]).abs() < 5 * 1.7 * sd / math.sqrt(4000)).all()
+    with pytest.raises(NotImplementedError):
+        AutoKroneckerFlow(regression, kind="nonlinear").quantiles([0.5], x, y)
