@@ -181,11 +181,16 @@ class EPSmoother:
                 messages[t] = old
                 skipped += 1
 
+            # The backward update at t uses the same cavity q(t) / q_bwd(t)^alpha as the forward
+            # update at t + 1 (neither q_fwd(t), q_meas(t) nor q_bwd(t) changes in between), so
+            # each transition is projected once per sweep.
+            transitions: list = [None] * T
             for t in range(T):
                 if t > 0:
                     cavity = marginal(t - 1, "bwd", alpha)
                     if bool(is_proper(cavity[1])):
-                        accept(fwd, t, self._forward(self._transition(cavity, t - 1), alpha))
+                        transitions[t - 1] = self._transition(cavity, t - 1)
+                        accept(fwd, t, self._forward(transitions[t - 1], alpha))
                     else:
                         skipped += 1
                 if bool(observed[t]):
@@ -195,12 +200,10 @@ class EPSmoother:
                     else:
                         skipped += 1
             for t in range(T - 2, -1, -1):
-                cavity = marginal(t, "bwd", alpha)
-                if not bool(is_proper(cavity[1])):
+                if transitions[t] is None:  # its cavity was improper in the forward sweep
                     skipped += 1
                     continue
-                lin = self._transition(cavity, t)
-                accept(bwd, t, self._backward(lin, marginal(t + 1, "fwd", alpha), alpha))
+                accept(bwd, t, self._backward(transitions[t], marginal(t + 1, "fwd", alpha), alpha))
 
             moments = [to_moment(*marginal(t)) for t in range(T)]
             means = torch.stack([m for m, _ in moments])
