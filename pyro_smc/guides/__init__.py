@@ -1,10 +1,12 @@
-"""Guides: Kronecker-structured and flow posteriors for weight matrices.
+"""Guides: Kronecker-structured and flow posteriors for weight matrices; the streaming filter family.
 
 Modules:
     kronecker_flow: ``AutoKroneckerFlow`` (K-Diag, K-Linear, K-Nonlinear).
     matrix_transforms: invertible maps applied to every row / column of a matrix (K-Nonlinear).
+    streaming: ``StreamingFilterGuide`` (filtering marginal plus backward kernels).
 """
 
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
+from pyro_smc.guides.streaming import StreamingFilterGuide
 
-__all__ = ["AutoKroneckerFlow"]
+__all__ = ["AutoKroneckerFlow", "StreamingFilterGuide"]

@@ -51,19 +51,12 @@ from torch.distributions.transforms import ReshapeTransform, Transform
 
 from pyro_smc.distributions import MatrixNormal
 from pyro_smc.guides.matrix_transforms import kronecker_nonlinear
+from pyro_smc.ops.gaussian import tril_from_vector
 from pyro_smc.ops.kronecker import kron_logdet
 
 __all__ = ["KINDS", "AutoKroneckerFlow"]
 
 KINDS = ("diag", "linear", "nonlinear")
-
-
-def _tril(params: Tensor, size: int) -> Tensor:
-    """Lower-triangular factor with positive diagonal from ``size (size + 1) / 2`` free numbers
-    (the diagonal stored as logs)."""
-    rows, cols = torch.tril_indices(size, size, device=params.device)
-    raw = params.new_zeros(size, size).index_put((rows, cols), params)
-    return raw.tril(-1) + torch.diag_embed(raw.diagonal().exp())
 
 
 def _tril_init(size: int, scale: float, like: Tensor) -> Tensor:
@@ -163,7 +156,7 @@ class AutoKroneckerFlow(AutoGuide):
         row, col = getattr(self.scales, key + "_row"), getattr(self.scales, key + "_col")
         if self.kind == "diag":
             return torch.diag_embed(row), torch.diag_embed(col)
-        return _tril(row, n), _tril(col, p)
+        return tril_from_vector(row, n), tril_from_vector(col, p)
 
     def _posterior(self, name: str, site) -> dist.Distribution:
         """The guide's distribution of the unconstrained value of ``name``."""

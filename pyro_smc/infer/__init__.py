@@ -1,5 +1,5 @@
 """Inference algorithms: :class:`SMC` and its loss :class:`SMCELBO`; :class:`EPSmoother` and the
-Gaussian filters and smoothers it refines."""
+Gaussian filters and smoothers it refines; :class:`OnlineVariationalFilter`."""
 
 from pyro_smc.infer.ep_smoother import EPSmoother
 from pyro_smc.infer.gaussian_smoothers import (
@@ -13,6 +13,7 @@ from pyro_smc.infer.gaussian_smoothers import (
     unscented_kalman_filter,
     unscented_rts_smoother,
 )
+from pyro_smc.infer.online import OnlineVariationalFilter
 from pyro_smc.infer.smc import SMC, SMCFailedError
 from pyro_smc.infer.smc_elbo import SMCELBO
 
@@ -21,6 +22,7 @@ __all__ = [
     "SMCELBO",
     "EPSmoother",
     "GaussianSmootherResult",
+    "OnlineVariationalFilter",
     "SMCFailedError",
     "extended_kalman_filter",
     "extended_rts_smoother",

@@ -1,6 +1,6 @@
 """Ready-made state-space models in the ``init``/``step`` protocol of :class:`pyro_smc.SMC`."""
 
-from pyro_smc.models.linear_gaussian import LinearGaussianSSM
+from pyro_smc.models.linear_gaussian import DiagonalLinearGaussianSSM, LinearGaussianSSM
 from pyro_smc.models.nonlinear_gaussian import NonlinearGaussianSSM
 
-__all__ = ["LinearGaussianSSM", "NonlinearGaussianSSM"]
+__all__ = ["DiagonalLinearGaussianSSM", "LinearGaussianSSM", "NonlinearGaussianSSM"]

@@ -21,12 +21,12 @@ from __future__ import annotations
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.nn import PyroModule
+from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 
 from pyro_smc.ops import kalman
 
-__all__ = ["LinearGaussianSSM"]
+__all__ = ["DiagonalLinearGaussianSSM", "LinearGaussianSSM"]
 
 
 def _check_matrix(name: str, value: Tensor, shape: tuple[int, int], psd: bool = False) -> Tensor:
@@ -133,3 +133,60 @@ class LinearGaussianSSM(PyroModule):
             xs.append(x)
             ys.append(self.C @ x + sr @ noise(dy))
         return torch.stack(xs), torch.stack(ys)
+
+
+class DiagonalLinearGaussianSSM(PyroModule):
+    """Linear-Gaussian model with learnable diagonal dynamics and emissions (``PyroParam``s).
+
+    ``x_1 ~ N(0, init_scale^2 I)``, ``x_t = diag(a) x_{t-1} + N(0, q^2 I)``, ``y_t = diag(c) x_t +
+    N(0, r^2 I)``: the parameter-learning setting of Campbell et al. (2021, Figure 1b), ``2d``
+    parameters ``a`` (``transition_diag``) and ``c`` (``emission_diag``). :meth:`as_linear_gaussian`
+    freezes the current values into a :class:`LinearGaussianSSM`, whose Kalman filter is the oracle.
+
+    Args:
+        transition_diag: initial ``a`` ``(d,)``.
+        emission_diag: initial ``c`` ``(d,)``.
+        transition_scale: ``q > 0``.
+        observation_scale: ``r > 0``.
+        init_scale: standard deviation of ``x_1``.
+    """
+
+    def __init__(self, transition_diag: Tensor, emission_diag: Tensor, transition_scale: float, observation_scale: float, init_scale: float = 1.0):
+        super().__init__()
+        a, c = torch.as_tensor(transition_diag), torch.as_tensor(emission_diag)
+        if a.dim() != 1 or c.shape != a.shape:
+            raise ValueError(f"transition_diag and emission_diag must be vectors of one length, got {tuple(a.shape)} and {tuple(c.shape)}")
+        for name, value in (("transition_scale", transition_scale), ("observation_scale", observation_scale), ("init_scale", init_scale)):
+            if not float(value) > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        self.transition_diag = PyroParam(a.clone())
+        self.emission_diag = PyroParam(c.clone())
+        self.transition_scale = float(transition_scale)
+        self.observation_scale = float(observation_scale)
+        self.init_scale = float(init_scale)
+        self._t = 0
+
+    def init(self, state: dict) -> None:
+        self._t = 0
+
+    def step(self, state: dict, y: Tensor | None = None) -> Tensor:
+        """Samples ``x_t`` given ``state["x"]`` (or from the prior at ``t = 0``) and observes ``y_t``."""
+        t = self._t
+        a, c = self.transition_diag, self.emission_diag
+        if "x" in state:
+            prior = dist.Normal(state["x"] * a, self.transition_scale).to_event(1)
+        else:
+            prior = dist.Normal(torch.zeros_like(a), self.init_scale).to_event(1)
+        x = pyro.sample(f"x_{t}", prior)
+        state["x"] = x
+        self._t = t + 1
+        return pyro.sample(f"y_{t}", dist.Normal(x * c, self.observation_scale).to_event(1), obs=y)
+
+    @torch.no_grad()
+    def as_linear_gaussian(self) -> LinearGaussianSSM:
+        """The current parameter values as a fixed :class:`LinearGaussianSSM` (the Kalman oracle)."""
+        a, c = self.transition_diag.detach(), self.emission_diag.detach()
+        eye = torch.eye(len(a), dtype=a.dtype, device=a.device)
+        return LinearGaussianSSM(
+            torch.diag(a), self.transition_scale**2 * eye, torch.diag(c), self.observation_scale**2 * eye, torch.zeros_like(a), self.init_scale**2 * eye
+        )

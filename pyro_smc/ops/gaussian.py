@@ -31,6 +31,8 @@ __all__ = [
     "symmetrize",
     "to_moment",
     "to_natural",
+    "tril_from_vector",
+    "tril_to_vector",
 ]
 
 
@@ -116,3 +118,30 @@ def psd_repair(matrix: Tensor, min_eig: float = 0.0) -> Tensor:
     """The nearest symmetric matrix with eigenvalues ``>= min_eig`` (eigenvalue clipping)."""
     vals, vecs = torch.linalg.eigh(symmetrize(matrix))
     return symmetrize((vecs * vals.clamp_min(min_eig).unsqueeze(-2)) @ vecs.transpose(-1, -2))
+
+
+def tril_from_vector(params: Tensor, size: int) -> Tensor:
+    """A lower-triangular factor with positive diagonal from ``size (size + 1) / 2`` free numbers.
+
+    The free numbers fill the lower triangle row by row (``torch.tril_indices`` order), the
+    diagonal entries stored as logs, so any real vector maps to a valid Cholesky factor.
+
+    Args:
+        params: ``(..., size (size + 1) / 2)``.
+        size: the matrix size ``n``.
+
+    Returns:
+        ``(..., n, n)`` lower-triangular with positive diagonal.
+    """
+    rows, cols = torch.tril_indices(size, size, device=params.device)
+    flat = params.new_zeros(params.shape[:-1] + (size * size,))
+    raw = flat.scatter(-1, (rows * size + cols).expand(params.shape), params).reshape(params.shape[:-1] + (size, size))
+    return raw.tril(-1) + torch.diag_embed(raw.diagonal(dim1=-2, dim2=-1).exp())
+
+
+def tril_to_vector(scale_tril: Tensor) -> Tensor:
+    """The inverse of :func:`tril_from_vector`: ``(..., n, n)`` -> ``(..., n (n + 1) / 2)``."""
+    n = scale_tril.shape[-1]
+    rows, cols = torch.tril_indices(n, n, device=scale_tril.device)
+    raw = scale_tril.tril(-1) + torch.diag_embed(scale_tril.diagonal(dim1=-2, dim2=-1).log())
+    return raw[..., rows, cols]
