@@ -11,13 +11,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PUBLIC = {
-    "pyro_smc": ["SMC", "SMCELBO", "EPSmoother"],
+    "pyro_smc": ["SMC", "SMCELBO", "EPSmoother", "OnlineVariationalFilter"],
     "pyro_smc.resamplers": ["MultinomialResampler", "SystematicResampler", "StratifiedResampler", "SoftResampler", "OTResampler"],
-    "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM"],
+    "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM", "DiagonalLinearGaussianSSM"],
     "pyro_smc.gp": ["MultiOutputGP"],
     "pyro_smc.distributions": ["MatrixNormal"],
-    "pyro_smc.guides": ["AutoKroneckerFlow"],
-    "pyro_smc.infer": ["extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
+    "pyro_smc.guides": ["AutoKroneckerFlow", "StreamingFilterGuide"],
+    "pyro_smc.regression": ["QuadraticRegressor", "KernelRidgeRegressor", "MLPRegressor", "make_regressor"],
+    "pyro_smc.infer": ["OnlineVariationalFilter", "extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
 }
 
 
@@ -72,3 +73,10 @@ def test_tutorial_smoke(notebook, monkeypatch):
     start = time.time()
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}}).execute()
     assert time.time() - start < 600
+
+
+def test_readme_streaming_example_runs():
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[3]
+    namespace = {}
+    exec(code.replace("simulate(400)", "simulate(8)"), namespace)
+    assert namespace["vf"].t == 8 and set(namespace["vf"].parameters()) == {"transition_diag", "emission_diag"}

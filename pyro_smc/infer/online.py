@@ -285,9 +285,14 @@ class OnlineVariationalFilter:
             if len(keys) != 1:
                 raise ValueError(f"could not find the state entry holding '{latent[0]}'; pass state_key= to OnlineVariationalFilter")
             self._state_key = keys[0]
-        if self._theta is None:
-            names = [name for name, s in trace.nodes.items() if s["type"] == "param"]
-            self._theta = {name: pyro.param(name).unconstrained() for name in dict.fromkeys(names)}
+        names = [name for name, s in trace.nodes.items() if s["type"] == "param"]
+        if self._theta is None or not set(names) <= set(self._theta):
+            # A parameter first read at this step (e.g. the transition's, unused at t = 0):
+            # extend theta and restart the score recursion, whose vectors change length.
+            theta = dict(self._theta or {})
+            theta.update({name: pyro.param(name).unconstrained() for name in names if name not in theta})
+            self._theta = theta
+            self._score, self._grad_previous = None, None
         return latent[0], x_prev, value.reshape(-1, d), site["fn"]
 
     @torch.no_grad()

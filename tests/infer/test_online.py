@@ -225,3 +225,30 @@ def test_online_parameter_learning_converges():
     # The start is 0.4 / 0.5 away; the Robbins-Monro noise at t = 400 is a few hundredths.
     assert (params["transition_diag"] - 0.8).abs().max() < 0.12
     assert (params["emission_diag"] - 1.0).abs().max() < 0.12
+
+
+class _LateParameter(pyro.nn.PyroModule):
+    """Reads its transition parameter only from the second step on."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = pyro.nn.PyroParam(torch.tensor(0.5))
+        self.c = pyro.nn.PyroParam(torch.tensor(1.0))
+
+    def init(self, state):
+        pass
+
+    def step(self, state, y):
+        loc = state["x"] * self.a if "x" in state else torch.zeros(1)
+        x = pyro.sample(f"x_{len(state)}_{int(y.sum() * 0)}", dist.Normal(loc, 0.5).to_event(1))
+        state["x"] = x
+        pyro.sample("y", dist.Normal(self.c * x, 0.3).to_event(1), obs=y)
+
+
+def test_parameters_first_read_later_are_learned():
+    pyro.clear_param_store()
+    vf = OnlineVariationalFilter(_LateParameter(), StreamingFilterGuide(1), num_iterations=2, num_regression_samples=16, learn_parameters=True)
+    for y in torch.randn(4, 1):
+        vf.step(y)
+    params = vf.parameters()
+    assert set(params) == {"a", "c"} and float(params["a"]) != 0.5
