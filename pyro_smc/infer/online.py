@@ -61,7 +61,7 @@ from pyro.nn import PyroModule
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
-from pyro_smc.guides.streaming import StreamingFilterGuide
+from pyro_smc.guides.streaming import GaussianKernel, StreamingFilterGuide, _gaussian
 from pyro_smc.regression import Regressor, make_regressor
 
 __all__ = ["INITIALIZE", "OnlineVariationalFilter", "robbins_monro"]
@@ -227,6 +227,89 @@ class OnlineVariationalFilter:
         if self._theta is None:
             return {}
         return {name: pyro.param(name).detach().clone() for name in self._theta}
+
+    # --- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the stream exactly: the step count and running ELBO, the
+        guide's parameters, the frozen previous marginal and kernel window, the regressors, the
+        carried state batch, the model's parameters (unconstrained) and plain scalar attributes
+        (such as a step counter), and the torch RNG state. Adam's moments are not included: they
+        are reset at every step. Save it with ``torch.save``."""
+
+        def frozen(marginal):
+            if marginal is None:
+                return None
+            scale = marginal.scale_tril if hasattr(marginal, "scale_tril") else marginal.base_dist.scale
+            return {"loc": marginal.mean.clone(), "scale": scale.clone()}
+
+        return {
+            "t": self.t,
+            "elbo": self.elbo.clone(),
+            "elbo_increment": self.elbo_increment.clone(),
+            "guide": {k: v.detach().clone() for k, v in self.guide.state_dict().items()},
+            "previous": frozen(self._previous),
+            "kernels": [vars(k).copy() for k in self._kernels],
+            "value": None if self._value is None else self._value.state_dict(),
+            "score": None if self._score is None else self._score.state_dict(),
+            "grad_previous": self._grad_previous,
+            "theta": None if self._theta is None else {name: leaf.detach().clone() for name, leaf in self._theta.items()},
+            "state": dict(self._state),
+            "state_key": self._state_key,
+            "obs_shape": self._obs_shape,
+            "model_attributes": {k: v for k, v in vars(self.model).items() if isinstance(v, (bool, int, float, str))},
+            "rng_state": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], restore_rng: bool = True) -> None:
+        """Restores :meth:`state_dict` into a filter built with the same model class, guide
+        configuration and settings; with ``restore_rng`` the stream continues bit-identically."""
+        self.t = int(state["t"])
+        self.elbo, self.elbo_increment = state["elbo"].clone(), state["elbo_increment"].clone()
+        self.guide.load_state_dict(state["guide"])
+        prev = state["previous"]
+        self._previous = None if prev is None else _gaussian(prev["loc"].clone(), prev["scale"].clone())
+        self._kernels = deque((GaussianKernel(**k) for k in state["kernels"]), maxlen=self.window)
+        self._value = self._restore(self._value_regressor, state["value"])
+        self._score = self._restore(self._score_regressor, state["score"])
+        self._grad_previous = state["grad_previous"]
+        self._theta = None
+        if state["theta"] is not None:
+            self._register_model_params()
+            self._theta = {}
+            for name, value in state["theta"].items():
+                if name not in pyro.get_param_store():
+                    raise ValueError(
+                        f"load_state_dict: parameter {name!r} is not in Pyro's param store; for a model that is not a "
+                        "PyroModule, restore the param store (pyro.get_param_store().set_state) first"
+                    )
+                leaf = pyro.param(name).unconstrained()
+                with torch.no_grad():
+                    leaf.copy_(value)
+                self._theta[name] = leaf
+        self._state = dict(state["state"])
+        self._state_key = state["state_key"]
+        self._obs_shape = state["obs_shape"]
+        vars(self.model).update(state["model_attributes"])
+        if restore_rng:
+            torch.set_rng_state(state["rng_state"])
+
+    def _register_model_params(self) -> None:
+        """Reads every ``PyroParam`` / ``nn.Parameter`` of a ``PyroModule`` model inside its context,
+        which puts it in the param store under the name the model's sites use."""
+        if not isinstance(self.model, PyroModule):
+            return
+        with self._model_context():
+            for module in self.model.modules():
+                if isinstance(module, PyroModule):
+                    for name in list(module._pyro_params) + [n for n, _ in module.named_parameters(recurse=False)]:
+                        getattr(module, name.removesuffix("_unconstrained"))
+
+    @staticmethod
+    def _restore(regressor: Regressor, state: dict | None) -> Regressor | None:
+        if state is None:
+            return None
+        regressor.load_state_dict(state)
+        return regressor
 
     # --- internals ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -252,3 +252,31 @@ def test_parameters_first_read_later_are_learned():
         vf.step(y)
     params = vf.parameters()
     assert set(params) == {"a", "c"} and float(params["a"]) != 0.5
+
+
+@pytest.mark.parametrize("learn", [False, True])
+def test_state_dict_resume_is_bit_identical(learn, tmp_path):
+    d, q, r = 2, 0.5, 0.3
+    _, ys = DiagonalLinearGaussianSSM(torch.full((d,), 0.8), torch.full((d,), 1.0), q, r).as_linear_gaussian().simulate(10)
+
+    def build():
+        pyro.clear_param_store()
+        model = DiagonalLinearGaussianSSM(torch.full((d,), 0.4), torch.full((d,), 0.5), q, r)
+        guide = StreamingFilterGuide(d, covariance="full")
+        return OnlineVariationalFilter(model, guide, num_iterations=3, num_regression_samples=32, window=3, learn_parameters=learn)
+
+    torch.manual_seed(0)
+    vf = build()
+    vf.run(ys[:6])
+    torch.save(vf.state_dict(), tmp_path / "ckpt.pt")
+    vf.run(ys[6:])
+    expected = (vf.elbo, vf.filtering_distribution().mean, vf.parameters(), vf.smoothing_samples(4))
+
+    torch.manual_seed(123)  # the checkpoint's RNG state must win
+    resumed = build()
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+    assert resumed.t == 6
+    resumed.run(ys[6:])
+    got = (resumed.elbo, resumed.filtering_distribution().mean, resumed.parameters(), resumed.smoothing_samples(4))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and torch.equal(got[3], expected[3])
+    assert got[2].keys() == expected[2].keys() and all(torch.equal(got[2][k], expected[2][k]) for k in got[2])
