@@ -1,0 +1,149 @@
+"""ArviZ export: ``to_inference_data`` for :class:`~pyro_smc.SMC` runs, streaming filters and guides.
+
+* An :class:`~pyro_smc.SMC` run becomes one chain per filter. The final particles are resampled
+  to equal weight (multinomially, ``num_draws`` per filter, default the number of particles) into
+  the ``posterior`` group; ``sample_stats`` holds each draw's ``log_weight`` (the normalised
+  log-weight of the particle it copies), and the filter's ``log_evidence`` and ``ess`` (constant
+  along the draw dimension, as ArviZ wants ``(chain, draw)`` arrays); ``attrs`` repeats the
+  per-filter log-evidence.
+* An :class:`~pyro_smc.OnlineVariationalFilter` becomes one chain of lagged smoothing draws
+  ``x`` with dims ``(chain, draw, lag, state_dim)``; ``attrs`` holds the running ELBO.
+* Any guide (an ``AutoGuide`` such as :class:`~pyro_smc.guides.AutoKroneckerFlow`, or a
+  :class:`~pyro_smc.guides.StreamingFilterGuide`) is sampled with ``pyro.infer.Predictive``:
+  every latent site of the model goes to ``posterior``, split into ``num_chains`` chains.
+
+Example:
+    >>> import torch, arviz as az
+    >>> from pyro_smc import SMC
+    >>> from pyro_smc.arviz import to_inference_data
+    >>> from pyro_smc.models import LinearGaussianSSM
+    >>> eye = torch.eye(2)
+    >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2), eye)
+    >>> _, ys = ssm.simulate(10)
+    >>> idata = to_inference_data(SMC(ssm, num_particles=200, num_filters=2).run(ys))
+    >>> idata.posterior["x"].shape
+    (2, 200, 2)
+    >>> summary = az.summary(idata, var_names=["x"])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from pyro import poutine
+from pyro.infer import Predictive
+from pyro.poutine.util import site_is_subsample
+from torch import Tensor
+
+from pyro_smc.infer.online import OnlineVariationalFilter
+from pyro_smc.infer.smc import SMC
+
+__all__ = ["to_inference_data"]
+
+
+def _numpy(x: Tensor) -> np.ndarray:
+    return x.detach().cpu().numpy()
+
+
+def _from_smc(smc: SMC, num_draws: int | None, generator: torch.Generator | None):
+    import arviz as az
+
+    if smc.log_weights is None:
+        raise ValueError("to_inference_data: the SMC object has not been run (call .run or .init/.step first)")
+    log_w = smc.log_weights.detach()  # (B, N)
+    B, N = log_w.shape
+    num_draws = N if num_draws is None else int(num_draws)
+    if num_draws < 1:
+        raise ValueError(f"num_draws must be >= 1, got {num_draws}")
+    index = torch.multinomial(log_w.exp().cpu(), num_draws, replacement=True, generator=generator).to(log_w.device)  # (B, D)
+    posterior = {}
+    for key, value in smc.state.items():
+        batched = value if smc.num_filters > 1 else value.unsqueeze(0)
+        if not isinstance(batched, Tensor):
+            continue
+        gather = index.reshape(index.shape + (1,) * (batched.dim() - 2)).expand(index.shape + batched.shape[2:])
+        posterior[key] = _numpy(torch.gather(batched.detach(), 1, gather))
+    log_evidence = smc.log_evidence.detach()
+    sample_stats = {
+        "log_weight": _numpy(torch.gather(log_w, 1, index)),
+        "log_evidence": _numpy(log_evidence.unsqueeze(-1).expand(B, num_draws)),
+        "ess": _numpy(smc.ess.detach().unsqueeze(-1).expand(B, num_draws)),
+    }
+    attrs = {"inference_library": "pyro_smc", "method": "SMC", "log_evidence": _numpy(log_evidence).tolist(), "num_particles": N}
+    return az.from_dict(posterior=posterior, sample_stats=sample_stats, attrs=attrs)
+
+
+def _from_online(vf: OnlineVariationalFilter, num_draws: int | None, lag: int | None):
+    import arviz as az
+
+    draws = vf.smoothing_samples(1000 if num_draws is None else num_draws, lag)
+    return az.from_dict(
+        posterior={"x": _numpy(draws).reshape((1,) + tuple(draws.shape))},
+        dims={"x": ["lag", "state_dim"]},
+        attrs={"inference_library": "pyro_smc", "method": "OnlineVariationalFilter", "elbo": float(vf.elbo), "t": vf.t},
+    )
+
+
+def _latent_sites(model: Callable, args, kwargs) -> dict[str, torch.Size]:
+    with poutine.block():
+        trace = poutine.trace(model).get_trace(*args, **kwargs)
+    return {
+        name: site["value"].shape
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+    }
+
+
+def _from_guide(guide: Callable, model: Callable | None, args, kwargs, num_draws: int | None, num_chains: int):
+    import arviz as az
+
+    model = model if model is not None else getattr(guide, "model", None)
+    if model is None:
+        model = getattr(guide, "_model", (None,))[0]
+    if model is None:
+        raise ValueError("to_inference_data: pass model= for a guide that does not carry its model")
+    num_draws = 1000 if num_draws is None else int(num_draws)
+    if num_draws < 1 or num_chains < 1 or num_draws % num_chains:
+        raise ValueError(f"num_draws ({num_draws}) must be a positive multiple of num_chains ({num_chains})")
+    sites = _latent_sites(model, args, kwargs)
+    with torch.no_grad():
+        samples = Predictive(model, guide=guide, num_samples=num_draws, return_sites=list(sites), parallel=False)(*args, **kwargs)
+    # Predictive pads global sites with singleton plate dims; one trace's shape is the site's shape.
+    posterior = {name: _numpy(value).reshape((num_chains, num_draws // num_chains) + tuple(sites[name])) for name, value in samples.items()}
+    return az.from_dict(posterior=posterior, attrs={"inference_library": "pyro_smc", "method": type(guide).__name__})
+
+
+def to_inference_data(
+    obj: Any,
+    *args,
+    model: Callable | None = None,
+    num_draws: int | None = None,
+    num_chains: int = 1,
+    lag: int | None = None,
+    generator: torch.Generator | None = None,
+    **kwargs,
+):
+    """ArviZ ``InferenceData`` from an ``SMC`` run, an ``OnlineVariationalFilter`` or a guide.
+
+    Args:
+        obj: a run :class:`~pyro_smc.SMC`, an :class:`~pyro_smc.OnlineVariationalFilter`, or a guide.
+        *args, **kwargs: the model's arguments (guides only).
+        model: the model a guide approximates (defaults to ``guide.model``).
+        num_draws: draws per chain for SMC (default: the number of particles); total draws for
+            a guide or a streaming filter (default 1000).
+        num_chains: chains to split a guide's draws into (SMC uses one chain per filter).
+        lag: how far back a streaming filter's smoothing draws go (default: its whole window).
+        generator: random generator for SMC's equal-weight resampling.
+
+    Returns:
+        ``arviz.InferenceData`` with a ``posterior`` group (and ``sample_stats`` for SMC).
+    """
+    if isinstance(obj, SMC):
+        return _from_smc(obj, num_draws, generator)
+    if isinstance(obj, OnlineVariationalFilter):
+        return _from_online(obj, num_draws, lag)
+    if callable(obj):
+        return _from_guide(obj, model, args, kwargs, num_draws, num_chains)
+    raise ValueError(f"to_inference_data: cannot convert a {type(obj).__name__}; pass an SMC, an OnlineVariationalFilter or a guide")

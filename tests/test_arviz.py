@@ -1,0 +1,93 @@
+"""pyro_smc.arviz.to_inference_data: SMC runs, the streaming filter and guides."""
+
+import math
+
+import arviz as az
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_smc import SMC, OnlineVariationalFilter
+from pyro_smc.arviz import to_inference_data
+from pyro_smc.guides import AutoKroneckerFlow, StreamingFilterGuide
+from pyro_smc.models import LinearGaussianSSM
+
+
+def _ssm():
+    eye = torch.eye(2)
+    return LinearGaussianSSM(0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2), eye)
+
+
+def test_smc_equal_weight_draws_and_stats():
+    torch.manual_seed(0)
+    ssm = _ssm()
+    _, ys = ssm.simulate(10)
+    smc = SMC(ssm, num_particles=300, num_filters=3, ess_threshold=1e-9).run(ys)  # never resamples: unequal weights
+    n = 20000
+    idata = to_inference_data(smc, num_draws=n, generator=torch.Generator().manual_seed(1))
+    x = idata.posterior["x"].values
+    assert x.shape == (3, n, 2)
+    # Equal-weight draws are unbiased for the weighted particle mean.
+    w = smc.log_weights.exp()
+    mean = (w.unsqueeze(-1) * smc.state["x"]).sum(1)
+    sd = ((w.unsqueeze(-1) * (smc.state["x"] - mean.unsqueeze(1)) ** 2).sum(1)).sqrt()
+    assert np.all(np.abs(x.mean(1) - mean.numpy()) < 5 * sd.numpy() / math.sqrt(n))
+    stats = idata.sample_stats
+    np.testing.assert_allclose(stats["log_evidence"].values[:, 0], smc.log_evidence.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(stats["ess"].values[:, 0], smc.ess.numpy(), rtol=1e-6)
+    assert stats["log_weight"].shape == (3, n)
+    summary = az.summary(idata, var_names=["x"])
+    assert len(summary) == 2
+
+
+def test_single_filter_and_errors():
+    ssm = _ssm()
+    _, ys = ssm.simulate(5)
+    idata = to_inference_data(SMC(ssm, num_particles=50).run(ys))
+    assert idata.posterior["x"].shape == (1, 50, 2)
+    with pytest.raises(ValueError, match="not been run"):
+        to_inference_data(SMC(ssm, num_particles=50))
+    with pytest.raises(ValueError, match="cannot convert"):
+        to_inference_data(3)
+
+
+def _regression(x, y=None):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[-1], 2]).to_event(2))
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal(x @ w, s).to_event(1), obs=y)
+
+
+@pytest.mark.parametrize("make_guide", [AutoNormal, lambda m: AutoKroneckerFlow(m, kind="linear")])
+def test_guides(make_guide):
+    pyro.clear_param_store()
+    x, y = torch.randn(20, 3), torch.randn(20, 2)
+    guide = make_guide(_regression)
+    guide(x, y)
+    idata = to_inference_data(guide, x, y, num_draws=40, num_chains=2)
+    assert idata.posterior["w"].shape == (2, 20, 3, 2) and idata.posterior["s"].shape == (2, 20)
+    assert az.summary(idata) is not None
+    with pytest.raises(ValueError, match="multiple"):
+        to_inference_data(guide, x, y, num_draws=41, num_chains=2)
+
+
+def test_streaming_filter_and_guide():
+    ssm = _ssm()
+    _, ys = ssm.simulate(6)
+    vf = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=2, num_regression_samples=16, window=3)
+    vf.run(ys)
+    idata = to_inference_data(vf, num_draws=30)
+    assert idata.posterior["x"].shape == (1, 30, 4, 2)
+
+    def model(ys):
+        state = {}
+        ssm.init(state)
+        for y in ys:
+            ssm.step(state, y)
+
+    guide = StreamingFilterGuide(2, model)
+    idata = to_inference_data(guide, ys, num_draws=10)
+    assert idata.posterior["x_5"].shape == (1, 10, 2)
