@@ -17,6 +17,7 @@ PUBLIC = {
     "pyro_smc.gp": ["MultiOutputGP"],
     "pyro_smc.distributions": ["MatrixNormal"],
     "pyro_smc.guides": ["AutoKroneckerFlow", "StreamingFilterGuide"],
+    "pyro_smc.arviz": ["to_inference_data"],
     "pyro_smc.regression": ["QuadraticRegressor", "KernelRidgeRegressor", "MLPRegressor", "make_regressor"],
     "pyro_smc.infer": ["OnlineVariationalFilter", "extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
 }
