@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         ssm_theta = theta.clone().requires_grad_()
         ssm.A = torch.diag(ssm_theta)
         start = time.perf_counter()
-        smc = SMC(ssm, num_particles=args.num_particles, num_filters=args.num_filters, resampler=resampler).run(ys)
+        smc = SMC(ssm, num_particles=args.num_particles, num_filters=args.num_filters, resampler=resampler, progress_bar=True).run(ys)
         (grad,) = torch.autograd.grad(smc.log_evidence.mean(), ssm_theta)
         elapsed = time.perf_counter() - start
         lz = smc.log_evidence.detach()

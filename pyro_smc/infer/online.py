@@ -60,6 +60,7 @@ from pyro.distributions.util import scale_and_mask
 from pyro.nn import PyroModule
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from pyro_smc.guides.streaming import GaussianKernel, StreamingFilterGuide, _gaussian
 from pyro_smc.regression import Regressor, make_regressor
@@ -104,6 +105,7 @@ class OnlineVariationalFilter:
         learn_parameters: update the model's parameters online.
         parameter_lr: ``eta_0`` of the Robbins-Monro schedule, or a callable ``t -> eta_t``.
         state_key: the ``state`` entry holding the latent (found automatically when ``None``).
+        progress_bar: show a tqdm progress bar in :meth:`run`.
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class OnlineVariationalFilter:
         learn_parameters: bool = False,
         parameter_lr: float | Callable[[int], float] = 0.01,
         state_key: str | None = None,
+        progress_bar: bool = False,
     ):
         if not (hasattr(model, "init") and hasattr(model, "step")):
             raise ValueError("model must have init(state, ...) and step(state, y, ...) methods")
@@ -150,6 +153,7 @@ class OnlineVariationalFilter:
             raise ValueError(f"regressor: {error}") from None
         self._score_regressor = copy.deepcopy(self._value_regressor)
         self._state_key = state_key
+        self.progress_bar = bool(progress_bar)
         self.lr = float(lr)
         self.initial_lr = 10.0 * self.lr if initial_lr is None else float(initial_lr)
         if not self.initial_lr > 0:
@@ -197,7 +201,7 @@ class OnlineVariationalFilter:
 
     def run(self, observations: Tensor, *args, **kwargs) -> OnlineVariationalFilter:
         """Steps through the leading dimension of ``observations`` (``init`` is the caller's)."""
-        for y in observations:
+        for y in tqdm(observations, desc="OnlineVariationalFilter", disable=not self.progress_bar, leave=False):
             self.step(y, *args, **kwargs)
         return self
 

@@ -55,6 +55,7 @@ from pyro.infer.smcfilter import SMCFailed
 from pyro.nn import PyroModule
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import SystematicResampler
@@ -109,6 +110,7 @@ class SMC:
             in ``(0, 1]``.
         num_filters: independent filters ``B`` run in one vectorised pass.
         max_plate_nesting: number of plates the model uses inside a step (as in SMCFilter).
+        progress_bar: show a tqdm progress bar in :meth:`run` (off by default; the CLI demo turns it on).
 
     Attributes:
         state: the particle state (:class:`SMCState`).
@@ -130,6 +132,7 @@ class SMC:
         ess_threshold: float = 0.5,
         num_filters: int = 1,
         max_plate_nesting: int = 0,
+        progress_bar: bool = False,
     ):
         self.num_particles = _check_positive_int("num_particles", num_particles)
         self.num_filters = _check_positive_int("num_filters", num_filters)
@@ -147,6 +150,7 @@ class SMC:
         self.resampler = resampler if resampler is not None else SystematicResampler()
         self.ess_threshold = float(ess_threshold)
         self.max_plate_nesting = max_plate_nesting
+        self.progress_bar = bool(progress_bar)
         self.state = SMCState()
         self._reset()
 
@@ -208,7 +212,7 @@ class SMC:
                 t = int(bad.nonzero()[0, 0])
                 raise ValueError(f"observations contain NaN or inf at time step {t}")
         self.init(*args, **kwargs)
-        for t in range(observations.shape[0]):
+        for t in tqdm(range(observations.shape[0]), desc="SMC", disable=not self.progress_bar, leave=False):
             # Observations were checked above, all at once.
             self._step((observations[t],) + args, kwargs)
         return self
