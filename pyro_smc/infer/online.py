@@ -236,8 +236,8 @@ class OnlineVariationalFilter:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the stream exactly: the step count and running ELBO, the
         guide's parameters, the frozen previous marginal and kernel window, the regressors, the
-        carried state batch, the model's parameters (unconstrained) and plain scalar attributes
-        (such as a step counter), and the torch RNG state. Adam's moments are not included: they
+        carried state batch, the model's parameters (unconstrained) and plain attributes
+        (scalars such as a step counter, and cached tensors), and the torch RNG state. Adam's moments are not included: they
         are reset at every step. Save it with ``torch.save``."""
 
         def frozen(marginal):
@@ -260,7 +260,7 @@ class OnlineVariationalFilter:
             "state": dict(self._state),
             "state_key": self._state_key,
             "obs_shape": self._obs_shape,
-            "model_attributes": {k: v for k, v in vars(self.model).items() if isinstance(v, (bool, int, float, str))},
+            "model_attributes": {k: v for k, v in vars(self.model).items() if isinstance(v, (bool, int, float, str, Tensor))},
             "rng_state": torch.get_rng_state(),
         }
 
