@@ -1,26 +1,55 @@
-"""Bayesian neural network on sklearn's 8x8 digits: Kronecker-flow guides against mean-field and low rank.
+"""Bayesian neural networks on sklearn's 8x8 digits: Kronecker-flow guides against mean-field and low rank.
 
-Data: ``sklearn.datasets.load_digits`` (1797 images, 64 features), features standardised with the
-training split's mean and sd; a fixed random split per seed, 1297 train / 500 test.
-Model: MLP 64-50-10 (tanh), a ``PyroModule`` whose weights are
-``PyroSample(Normal(0, 1).expand([out, in]).to_event(2))`` and biases ``Normal(0, 1)`` vectors;
-categorical likelihood in ``pyro.plate("data", 1297, subsample_size=128)`` (the plate scales the
-minibatch log-likelihood by 1297 / 128).
-Training: ``SVI(model, guide, Adam(lr=0.01), Trace_ELBO())``, one particle, fixed number of steps.
+Data: ``sklearn.datasets.load_digits`` (1797 images, 64 features); a fixed random split per seed,
+1297 train / 500 test. MLP: every feature standardised with the training split's mean and sd.
+Conv net: the images (1 x 8 x 8) standardised with one mean and sd over all training pixels, which
+keeps the spatial structure that shared filters rely on.
+Models (``--arch``), ``PyroModule`` s whose weights have ``Normal(0, 1)`` priors and whose biases
+are ``Normal(0, 1)`` vectors:
+
+* ``mlp``: MLP 64-50-10 (tanh), weights ``PyroSample(Normal(0, 1).expand([out, in]).to_event(2))``;
+* ``conv``: conv 3x3, 8 channels, pad 1, tanh, 2x2 average pool (8 x 4 x 4); conv 3x3, 16 channels,
+  pad 1, tanh, 2x2 average pool (16 x 2 x 2 = 64); linear 64-10. Kernels are
+  ``PyroSample(Normal(0, 1).expand([out, in, 3, 3]).to_event(4))`` on ``PyroModule[nn.Conv2d]``,
+  which ``AutoKroneckerFlow`` reads as ``(out, in 3 3)`` matrices (8 x 9 and 16 x 72).
+
+Both use a categorical likelihood in ``pyro.plate("data", 1297, subsample_size=128)`` (the plate
+scales the minibatch log-likelihood by 1297 / 128).
+Training: ``SVI(model, guide, Adam(lr=0.01), Trace_ELBO())``, one particle, 3000 steps for both nets
+(a conv step costs about twice an MLP step; the 15 conv runs take ~12 minutes on an idle 2-core machine
+with one torch thread, 23 minutes at load average 3-4). Each guide trains in one block, so drifts of
+machine load between blocks leak into those step-time ratios ("block ms / step").
+Interleaved timing: after the accuracy runs (or alone, ``--timing-only``) one SVI per guide is built
+on the seed-0 training split, all fed the same minibatch stream (one index draw per round, passed to
+every guide). Each SVI is warmed up (50 steps, 10 with ``--quick``), then for R rounds (``--timing-rounds``,
+default 300, 20 with ``--quick``) one step of each guide is timed in turn, the order rotated every
+round, so machine load hits every guide alike. Reported: median ms per step per guide (and its
+quartiles), the ratio of medians to AutoNormal and the median of the per-round paired ratios
+(``"timing_interleaved"`` in the results).
 Guides: ``AutoNormal``, ``AutoLowRankMultivariateNormal(rank=10)`` and ``AutoKroneckerFlow``
 kind ``diag`` / ``linear`` / ``nonlinear`` (RealNVP, hidden (32,)); init scale 0.01 for all.
 Metrics on the test split, from the posterior predictive (softmax probabilities averaged over
 100 guide samples): error rate, NLL per point, expected calibration error (15 equal-width bins of
 the top-class confidence); time per SVI step (median over the steps after the first 50) and the
 number of variational parameters.
-Goals: K-Linear and K-Nonlinear beat AutoNormal on NLL and ECE; time per step within 2x AutoNormal.
+Goals: K-Linear and K-Nonlinear beat AutoNormal on NLL and ECE; time per step within 2x AutoNormal,
+judged on the interleaved timing (ratio of the medians); the block timings stay in the table and in
+``"summary"`` for reference only.
 
-Run: ``python benchmarks/bench_bnn_digits.py`` (``--quick`` for a smoke run).
+Results: ``results/bnn_digits.json`` (MLP, the format of the MLP-only version plus an ``"arch"``
+key) and ``results/bnn_digits_conv.json`` (conv net, same layout), each with a ``"timing_interleaved"``
+key next to the block timings in ``"summary"``.
+
+Run: ``python benchmarks/bench_bnn_digits.py`` (both nets; ``--arch mlp`` or ``--arch conv`` for one,
+``--quick`` for a smoke run). ``--timing-only`` runs only the interleaved timing and merges it into the
+existing result files (replacing ``"timing_interleaved"`` and recomputing ``"goals"`` from the stored
+``"summary"``), without rerunning the ~30 minutes of accuracy runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -29,6 +58,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoNormal
@@ -36,9 +66,11 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 from sklearn.datasets import load_digits
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import RESULTS, add_common_args, command, load_average, machine_info, print_table, setup, write_results
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
+ARCHS = ("mlp", "conv")
+STEPS = {"mlp": 3000, "conv": 3000}
 N_TEST = 500
 BATCH = 128
 INIT_SCALE = 0.01
@@ -60,23 +92,63 @@ class BNN(PyroModule):
         self.fc1 = bayesian_linear(n_in, n_hidden)
         self.fc2 = bayesian_linear(n_hidden, n_out)
 
-    def forward(self, x, y=None, subsample_size=None):
-        # Weights are sampled once per call (PyroSample caches them within the call).
+    def forward(self, x, y=None, subsample_size=None, subsample=None):
+        # Weights are sampled once per call (PyroSample caches them within the call). ``subsample``
+        # (indices) fixes the minibatch, as the interleaved timing does; by default the plate draws it.
         w1, b1, w2, b2 = self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias
-        with pyro.plate("data", x.shape[0], subsample_size=subsample_size) as idx:
+        with pyro.plate("data", x.shape[0], subsample_size=subsample_size, subsample=subsample) as idx:
             xb = x[idx]
             logits = torch.tanh(xb @ w1.T + b1) @ w2.T + b2
             pyro.sample("obs", dist.Categorical(logits=logits), obs=None if y is None else y[idx])
         return logits
 
 
-def load_data(seed: int):
+def bayesian_conv(c_in: int, c_out: int, k: int = 3) -> PyroModule:
+    layer = PyroModule[nn.Conv2d](c_in, c_out, k, padding=k // 2)
+    layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([c_out, c_in, k, k]).to_event(4))
+    layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([c_out]).to_event(1))
+    return layer
+
+
+class ConvBNN(PyroModule):
+    """1x8x8 -> conv 8 -> pool -> conv 16 -> pool -> 64 -> 10; ``x`` holds flattened images."""
+
+    def __init__(self, c1: int = 8, c2: int = 16, n_out: int = 10):
+        super().__init__()
+        self.conv1 = bayesian_conv(1, c1)
+        self.conv2 = bayesian_conv(c1, c2)
+        self.fc = bayesian_linear(c2 * 2 * 2, n_out)
+
+    def forward(self, x, y=None, subsample_size=None, subsample=None):
+        k1, c1, k2, c2 = self.conv1.weight, self.conv1.bias, self.conv2.weight, self.conv2.bias
+        w, b = self.fc.weight, self.fc.bias
+        with pyro.plate("data", x.shape[0], subsample_size=subsample_size, subsample=subsample) as idx:
+            h = x[idx].reshape(-1, 1, 8, 8)
+            h = F.avg_pool2d(torch.tanh(F.conv2d(h, k1, c1, padding=1)), 2)
+            h = F.avg_pool2d(torch.tanh(F.conv2d(h, k2, c2, padding=1)), 2)
+            logits = h.flatten(1) @ w.T + b
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=None if y is None else y[idx])
+        return logits
+
+
+MODELS = {"mlp": BNN, "conv": ConvBNN}
+TITLES = {"mlp": "BNN 64-50-10", "conv": "conv BNN 1x8x8-c8-pool-c16-pool-10"}
+DESCRIPTIONS = {
+    "mlp": "MLP 64-50-10, tanh; features standardised per pixel",
+    "conv": "conv3x3(8, pad 1)-tanh-avgpool2-conv3x3(16, pad 1)-tanh-avgpool2-linear(64, 10); pixels standardised globally",
+}
+
+
+def load_data(seed: int, arch: str = "mlp"):
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32)
     y = torch.tensor(data.target, dtype=torch.long)
     perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1000 + seed))
     test, train = perm[:N_TEST], perm[N_TEST:]
-    mean, sd = x[train].mean(0), x[train].std(0).clamp_min(1e-3)  # a few pixels are constant 0
+    if arch == "conv":
+        mean, sd = x[train].mean(), x[train].std()
+    else:
+        mean, sd = x[train].mean(0), x[train].std(0).clamp_min(1e-3)  # a few pixels are constant 0
     x = (x - mean) / sd
     return x[train], y[train], x[test], y[test]
 
@@ -119,11 +191,11 @@ def fmt(m) -> str:
     return f"{m[0]:.3f} +- {m[1]:.3f}"
 
 
-def run_one(guide_name: str, seed: int, steps: int, warmup: int):
-    xtr, ytr, xte, yte = load_data(seed)
+def run_one(guide_name: str, seed: int, steps: int, warmup: int, arch: str = "mlp"):
+    xtr, ytr, xte, yte = load_data(seed, arch)
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    model = BNN()
+    model = MODELS[arch]()
     guide = make_guide(guide_name, model)
     guide(xtr, ytr, BATCH)  # build the parameters
     n_params = sum(p.numel() for p in guide.parameters())
@@ -152,55 +224,185 @@ def mean_sd(vals):
     return (statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_common_args(parser)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seeds", type=int, default=None)
-    args = parser.parse_args()
-    setup(args)
-    torch.set_default_dtype(torch.float32)
-    steps = args.steps or (100 if args.quick else 3000)
-    n_seeds = args.seeds or (1 if args.quick else 3)
-    warmup = 10 if args.quick else 50
+def timing_interleaved(arch: str, rounds: int, warmup: int, seed: int = 0) -> dict:
+    """Time one SVI step of every guide in turn (order rotated each round) on one minibatch stream.
 
+    Alternating the guides step by step spreads drifts of machine load evenly over them, so the
+    ratios to AutoNormal stay meaningful on a shared machine (unlike the one-block-per-guide timings).
+    """
+    xtr, ytr, _, _ = load_data(seed, arch)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    svis, n_params = {}, {}
+    for g in GUIDES:
+        model = MODELS[arch]()
+        guide = make_guide(g, model)
+        # One param store for all guides: give each its own name prefix (the three K-guides are all
+        # AutoKroneckerFlow, whose parameters would otherwise collide). Set before the first call,
+        # which creates the parameters.
+        guide._pyro_name = "".join(c for c in g if c.isalnum())
+        guide(xtr, ytr, BATCH)
+        n_params[g] = sum(p.numel() for p in guide.parameters())
+        svis[g] = SVI(model, guide, Adam({"lr": LR}), Trace_ELBO())
+    n_store = sum(v.numel() for _, v in pyro.get_param_store().named_parameters())
+    assert n_store == sum(n_params.values()), f"param name collision: store {n_store} != guides {sum(n_params.values())}"
+
+    gen = torch.Generator().manual_seed(2000 + seed)
+    times = {g: [] for g in GUIDES}
+    finite = {g: True for g in GUIDES}
+    load_before = load_average()
+    t_start = time.perf_counter()
+    for r in range(warmup + rounds):
+        idx = torch.randperm(xtr.shape[0], generator=gen)[:BATCH]  # the same minibatch for every guide
+        k = r % len(GUIDES)
+        for g in GUIDES[k:] + GUIDES[:k]:
+            t0 = time.perf_counter()
+            loss = svis[g].step(xtr, ytr, BATCH, idx)
+            dt = time.perf_counter() - t0
+            finite[g] = finite[g] and bool(np.isfinite(loss))
+            if r >= warmup:
+                times[g].append(dt)
+    wall = time.perf_counter() - t_start
+
+    base = statistics.median(times["AutoNormal"])
+    guides = {}
+    for g in GUIDES:
+        ts = times[g]
+        q1, _, q3 = statistics.quantiles(ts, n=4)
+        guides[g] = {
+            "step_s_median": statistics.median(ts),
+            "step_s_q25": q1,
+            "step_s_q75": q3,
+            "ratio_vs_autonormal": statistics.median(ts) / base,
+            "paired_ratio_median": statistics.median(t / b for t, b in zip(ts, times["AutoNormal"])),
+            "n_params": n_params[g],
+            "finite": finite[g],
+        }
+    return {
+        "rounds": rounds, "warmup_steps": warmup, "seed": seed, "batch": BATCH,
+        "order": "one step per guide per round, order rotated by one guide each round; same minibatch indices for all guides within a round",
+        "ratio": "median step time / AutoNormal's median step time (goal check); paired_ratio_median: median over rounds of step / AutoNormal's step",
+        "guides": guides, "wall_s": wall, "load_average_before": load_before, "load_average_after": load_average(),
+        "command": command(), "torch_threads": torch.get_num_threads(),
+    }
+
+
+def compute_goals(summary: dict | None, timing: dict) -> dict:
+    """NLL and ECE from the accuracy runs' ``summary``; time per step from the interleaved timing."""
+    an = (summary or {}).get("AutoNormal")
+    goals = {}
+    for g in ("K-Linear", "K-Nonlinear"):
+        goals[g] = {}
+        if an is not None:
+            goals[g]["nll_beats_autonormal"] = bool(summary[g]["test_nll"][0] < an["test_nll"][0])
+            goals[g]["ece_beats_autonormal"] = bool(summary[g]["ece"][0] < an["ece"][0])
+        goals[g]["step_within_2x"] = bool(timing["guides"][g]["ratio_vs_autonormal"] <= 2.0)
+    return goals
+
+
+def print_timing(arch: str, timing: dict, summary: dict | None = None) -> None:
+    rows = []
+    for g in GUIDES:
+        t = timing["guides"][g]
+        row = [g, f"{1e3 * t['step_s_median']:.2f}", f"{1e3 * t['step_s_q25']:.2f} - {1e3 * t['step_s_q75']:.2f}",
+               f"{t['ratio_vs_autonormal']:.2f}", f"{t['paired_ratio_median']:.2f}"]
+        if summary is not None:
+            s = summary[g]
+            row += [f"{1e3 * s['step_s'][0]:.2f} +- {1e3 * s['step_s'][1]:.2f}", f"{s['step_ratio_vs_autonormal']:.2f}"]
+        rows.append(row + [t["n_params"]])
+    headers = ["guide", "interleaved ms / step", "IQR", "x AutoNormal", "paired x AN"]
+    if summary is not None:
+        headers += ["block ms / step", "block x AN"]
+    la = [f"{v[0]:.2f}" if v else "?" for v in (timing["load_average_before"], timing["load_average_after"])]
+    print_table(headers + ["# var. params"], rows,
+                title=f"{TITLES[arch]}: interleaved timing, {timing['rounds']} rounds after {timing['warmup_steps']} warm-up steps "
+                      f"({timing['wall_s']:.0f} s; 1-min load average {la[0]} -> {la[1]})")
+
+
+def result_name(arch: str) -> str:
+    # The MLP keeps the file name (and layout) of the MLP-only version of this script.
+    return "bnn_digits" if arch == "mlp" else f"bnn_digits_{arch}"
+
+
+def run_arch(arch: str, steps: int, n_seeds: int, warmup: int, rounds: int) -> dict:
     per = {g: [] for g in GUIDES}
     t_start = time.perf_counter()
     for seed in range(n_seeds):
         for g in GUIDES:  # guides alternate within a seed, spreading drifts of machine load
-            r = run_one(g, seed, steps, warmup)
+            r = run_one(g, seed, steps, warmup, arch)
             per[g].append(r)
-            print(f"seed {seed} {g:20s} err {r['test_error']:.3f} nll {r['test_nll']:.3f} ece {r['ece']:.3f} "
+            print(f"{arch} seed {seed} {g:20s} err {r['test_error']:.3f} nll {r['test_nll']:.3f} ece {r['ece']:.3f} "
                   f"step {1e3 * r['step_s']:.2f} ms  [{time.perf_counter() - t_start:.0f} s]", flush=True)
 
+    timing = timing_interleaved(arch, rounds, warmup)
     base_step = statistics.mean(r["step_s"] for r in per["AutoNormal"])
     rows, summary = [], {}
     for g in GUIDES:
         s = {k: mean_sd([r[k] for r in per[g]]) for k in ("test_error", "test_nll", "ece", "step_s")}
         s["n_params"] = per[g][0]["n_params"]
-        s["step_ratio_vs_autonormal"] = s["step_s"][0] / base_step
+        s["step_ratio_vs_autonormal"] = s["step_s"][0] / base_step  # block timing
         summary[g] = s
+        t = timing["guides"][g]
         rows.append([g, fmt(s["test_error"]), fmt(s["test_nll"]), fmt(s["ece"]),
-                     f"{1e3 * s['step_s'][0]:.2f} +- {1e3 * s['step_s'][1]:.2f}", f"{s['step_ratio_vs_autonormal']:.2f}", s["n_params"]])
-    print_table(["guide", "test error", "test NLL", "ECE (15 bins)", "ms / step", "x AutoNormal", "# var. params"], rows,
-                title=f"BNN 64-50-10 on digits, {steps} steps, {n_seeds} seeds (mean +- sd)")
+                     f"{1e3 * s['step_s'][0]:.2f} +- {1e3 * s['step_s'][1]:.2f}", f"{s['step_ratio_vs_autonormal']:.2f}",
+                     f"{1e3 * t['step_s_median']:.2f}", f"{t['ratio_vs_autonormal']:.2f}", s["n_params"]])
+    print_table(["guide", "test error", "test NLL", "ECE (15 bins)", "block ms / step", "block x AN",
+                 "interleaved ms / step", "interleaved x AN", "# var. params"], rows,
+                title=f"{TITLES[arch]} on digits, {steps} steps, {n_seeds} seeds (mean +- sd); "
+                      f"interleaved timing: median over {rounds} rounds")
+    print_timing(arch, timing, summary)
 
-    an = summary["AutoNormal"]
-    goals = {}
-    for g in ("K-Linear", "K-Nonlinear"):
-        goals[g] = {
-            "nll_beats_autonormal": summary[g]["test_nll"][0] < an["test_nll"][0],
-            "ece_beats_autonormal": summary[g]["ece"][0] < an["ece"][0],
-            "step_within_2x": summary[g]["step_ratio_vs_autonormal"] <= 2.0,
-        }
-    print("\ngoals:", goals)
-    write_results("bnn_digits", {
-        "settings": {"steps": steps, "seeds": n_seeds, "batch": BATCH, "lr": LR, "init_scale": INIT_SCALE,
-                     "n_test": N_TEST, "predictive_samples": NUM_PRED if steps > 200 else 20, "ece_bins": ECE_BINS,
-                     "timing_warmup_steps": warmup},
-        "per_seed": per, "summary": summary, "goals": goals,
+    goals = compute_goals(summary, timing)
+    print(f"\n{arch} goals (time: interleaved ratio):", goals)
+    write_results(result_name(arch), {
+        "arch": arch,
+        "settings": {"arch": arch, "model": DESCRIPTIONS[arch], "steps": steps, "seeds": n_seeds, "batch": BATCH, "lr": LR,
+                     "init_scale": INIT_SCALE, "n_test": N_TEST, "predictive_samples": NUM_PRED if steps > 200 else 20,
+                     "ece_bins": ECE_BINS, "timing_warmup_steps": warmup},
+        "per_seed": per, "summary": summary, "timing_interleaved": timing, "goals": goals,
         "total_wall_s": time.perf_counter() - t_start,
     })
+    return goals
+
+
+def run_timing_only(arch: str, rounds: int, warmup: int, quick: bool) -> dict:
+    """Interleaved timing alone, merged into the existing result file (or a new one if there is none)."""
+    timing = timing_interleaved(arch, rounds, warmup)
+    path = RESULTS / f"{result_name(arch)}{'.quick' if quick else ''}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"benchmark": path.stem, "arch": arch}
+    summary = data.get("summary")
+    print_timing(arch, timing, summary)
+    data["timing_interleaved"] = timing
+    data["timing_interleaved"]["machine"] = machine_info()
+    data["goals"] = compute_goals(summary, timing)
+    print(f"\n{arch} goals (time: interleaved ratio){'' if summary else ' (no accuracy summary in the file)'}:", data["goals"])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    print(f"merged timing_interleaved and goals into {path}")
+    return data["goals"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--arch", choices=(*ARCHS, "all"), default="all", help="network(s) to benchmark (default all)")
+    parser.add_argument("--steps", type=int, default=None, help=f"SVI steps (default {STEPS}, 100 with --quick)")
+    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--timing-rounds", type=int, default=None, help="rounds of the interleaved timing (default 300, 20 with --quick)")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="run only the interleaved timing and merge it (and the goals) into the existing result files")
+    args = parser.parse_args()
+    setup(args)
+    torch.set_default_dtype(torch.float32)
+    n_seeds = args.seeds or (1 if args.quick else 3)
+    warmup = 10 if args.quick else 50
+    rounds = args.timing_rounds or (20 if args.quick else 300)
+    for arch in ARCHS if args.arch == "all" else (args.arch,):
+        if args.timing_only:
+            run_timing_only(arch, rounds, warmup, args.quick)
+            continue
+        steps = args.steps or (100 if args.quick else STEPS[arch])
+        run_arch(arch, steps, n_seeds, warmup, rounds)
 
 
 if __name__ == "__main__":
