@@ -18,6 +18,7 @@ PUBLIC = {
     "pyro_smc.distributions": ["MatrixNormal"],
     "pyro_smc.guides": ["AutoKroneckerFlow", "StreamingFilterGuide"],
     "pyro_smc.arviz": ["to_inference_data"],
+    "pyro_smc.distributed": ["DistributedELBO", "broadcast_params"],
     "pyro_smc.regression": ["QuadraticRegressor", "KernelRidgeRegressor", "MLPRegressor", "make_regressor"],
     "pyro_smc.infer": ["OnlineVariationalFilter", "extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
 }
@@ -81,3 +82,21 @@ def test_readme_streaming_example_runs():
     namespace = {}
     exec(code.replace("simulate(400)", "simulate(8)"), namespace)
     assert namespace["vf"].t == 8 and set(namespace["vf"].parameters()) == {"transition_diag", "emission_diag"}
+
+
+def test_readme_torchrun_example_runs_in_one_process(monkeypatch):
+    """Without torchrun the example is one rank of a one-process gloo group."""
+    import torch.distributed as tdist
+
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[4]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29531")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    namespace = {}
+    try:
+        exec(code.replace("range(200)", "range(3)"), namespace)
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+    assert namespace["world"] == 1 and isinstance(namespace["loss"], float)
