@@ -152,13 +152,22 @@ class MatrixNormal(TorchDistribution):
     def rsample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> Tensor:
         shape = self._extended_shape(torch.Size(sample_shape))
         eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
-        return self.loc + kron_matvec(self.scale_tril_row, self.scale_tril_col.transpose(-1, -2), eps)
+        value = self.loc + kron_matvec(self.scale_tril_row, self.scale_tril_col.transpose(-1, -2), eps)
+        # Remember the noise of the last draw (as a Transform with cache_size=1 remembers its
+        # pre-image): scoring one's own sample (what every ELBO does) then needs no triangular
+        # solve, which in float32 is badly wrong once the factors are ill-conditioned.
+        self._last_draw = (value, eps)
+        return value
 
     def log_prob(self, value: Tensor) -> Tensor:
         if self._validate_args:
             self._validate_sample(value)
         n, p = self.event_shape
-        maha = kron_tril_mahalanobis(self.scale_tril_row, self.scale_tril_col, value - self.loc)
+        last = getattr(self, "_last_draw", None)
+        if last is not None and value is last[0]:
+            maha = last[1].square().sum((-2, -1))
+        else:
+            maha = kron_tril_mahalanobis(self.scale_tril_row, self.scale_tril_col, value - self.loc)
         return -0.5 * maha - kron_tril_logdet(self.scale_tril_row, self.scale_tril_col) - 0.5 * n * p * math.log(2 * math.pi)
 
     def entropy(self) -> Tensor:

@@ -43,7 +43,7 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions.transforms import ComposeTransform
 from pyro.infer.autoguide import AutoGuide
-from pyro.infer.autoguide.initialization import init_to_median
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
 from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 from torch.distributions import biject_to, constraints
@@ -112,6 +112,8 @@ class AutoKroneckerFlow(AutoGuide):
             raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
         self.kind, self.flow, self.hidden_dims = kind, flow, tuple(hidden_dims)
         self.init_loc_fn, self._init_scale = init_loc_fn, float(init_scale)
+        # As Pyro's AutoNormal does: the prototype trace (hence every location) follows init_loc_fn.
+        model = InitMessenger(self.init_loc_fn)(model)
         super().__init__(model, create_plates=create_plates)
 
     # --- parameters -------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class AutoKroneckerFlow(AutoGuide):
             return dist.Normal(loc, getattr(self.scales, key)).to_event(self._event_dims[name])
         a, b = self._factors(name)
         shape = site["fn"].event_shape
-        reshape = [] if len(shape) == 2 else [ReshapeTransform(loc.shape, shape)]
+        reshape = [] if len(shape) == 2 else [ReshapeTransform(loc.shape, shape, cache_size=1)]
         if self.kind == "nonlinear":
             noise = dist.Normal(torch.zeros_like(loc), 1.0).to_event(2)
             parts = [getattr(self.flows, key), _KroneckerAffine(loc, a, b.transpose(-1, -2))] + reshape

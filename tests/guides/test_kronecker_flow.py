@@ -221,3 +221,20 @@ def test_quantiles_match_sample_quantiles(kind):
     assert ((empirical - quantiles["w"][[0, 2]]).abs() < 5 * 1.7 * sd / math.sqrt(4000)).all()
     with pytest.raises(NotImplementedError):
         AutoKroneckerFlow(regression, kind="nonlinear").quantiles([0.5], x, y)
+
+
+@pytest.mark.parametrize("kind", ["diag", "linear", "nonlinear"])
+def test_init_loc_fn_sets_the_locations(kind):
+    from pyro.infer.autoguide.initialization import init_to_value
+
+    def model():
+        pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2))
+        pyro.sample("b", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+
+    pyro.clear_param_store()
+    values = {"w": torch.full((3, 2), 0.7), "b": torch.tensor([1.0, 2.0])}
+    guide = AutoKroneckerFlow(model, kind=kind, init_loc_fn=init_to_value(values=values))
+    guide()
+    median = guide.median()
+    torch.testing.assert_close(median["w"].detach(), values["w"])
+    torch.testing.assert_close(median["b"].detach(), values["b"])
