@@ -262,6 +262,7 @@ class OnlineVariationalFilter:
             "obs_shape": self._obs_shape,
             "model_attributes": {k: v for k, v in vars(self.model).items() if isinstance(v, (bool, int, float, str, Tensor))},
             "rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], restore_rng: bool = True) -> None:
@@ -296,6 +297,8 @@ class OnlineVariationalFilter:
         vars(self.model).update(state["model_attributes"])
         if restore_rng:
             torch.set_rng_state(state["rng_state"])
+            if state.get("cuda_rng_state") is not None:
+                torch.cuda.set_rng_state_all(state["cuda_rng_state"])
 
     def _register_model_params(self) -> None:
         """Reads every ``PyroParam`` / ``nn.Parameter`` of a ``PyroModule`` model inside its context,

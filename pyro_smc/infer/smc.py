@@ -265,6 +265,7 @@ class SMC:
             "model_attributes": plain(self.model),
             "guide_attributes": plain(self.guide),
             "rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], restore_rng: bool = True) -> None:
@@ -284,6 +285,8 @@ class SMC:
                 vars(obj).update(attrs)
         if restore_rng:
             torch.set_rng_state(state["rng_state"])
+            if state.get("cuda_rng_state") is not None:
+                torch.cuda.set_rng_state_all(state["cuda_rng_state"])
 
     # --- one step -----------------------------------------------------------------------------
     def _propagate(self, model_fn, guide_fn, args, kwargs, where: str) -> None:
