@@ -68,6 +68,7 @@ from pyro_smc.regression import Regressor, make_regressor
 __all__ = ["INITIALIZE", "OnlineVariationalFilter", "robbins_monro"]
 
 INITIALIZE = ("laplace", "predict", "previous")
+_NEWTON_STEPS = 5
 
 
 def robbins_monro(lr: float) -> Callable[[int], float]:
@@ -96,9 +97,10 @@ class OnlineVariationalFilter:
             or a :class:`~pyro_smc.regression.Regressor` (copied for the value and the score).
         num_regression_samples: samples per regression fit (and in the carried state batch).
         window: number of past backward kernels kept for lagged smoothing samples.
-        initialize: how each step's optimisation starts. ``"laplace"``: ``q_t`` at the model's
-            one-step prediction from ``q_{t-1}`` updated by one Newton step on ``log g(y_t | x_t)``
-            (the Kalman update for a linear-Gaussian observation), and the kernel at the linear
+        initialize: how each step's optimisation starts. ``"laplace"``: ``q_t`` at the Laplace
+            approximation of the model's one-step prediction from ``q_{t-1}`` times ``g(y_t | x_t)``
+            (clipped-curvature Newton steps with backtracking; the Kalman update for a
+            linear-Gaussian observation), and the kernel at the linear
             regression of ``x_{t-1}`` on ``x_t`` under the prediction (both exact for
             linear-Gaussian models up to Monte Carlo error); ``"predict"``: the same without the
             Newton step; ``"previous"``: the guide's current parameters.
@@ -417,24 +419,47 @@ class OnlineVariationalFilter:
 
     @torch.enable_grad()
     def _newton_update(self, m: Tensor, cov: Tensor, snapshot, site, y, x_prev, args, kwargs) -> tuple[Tensor, Tensor]:
-        """One Newton step from the prediction ``N(m, cov)`` on ``log N(x; m, cov) + log g(y_t | x)``:
-        exact (the Kalman update) for a linear-Gaussian observation. Skipped where the curvature
-        would not give a positive-definite precision (e.g. a heavy-tailed likelihood far out)."""
-        x = m.detach().clone().unsqueeze(0).requires_grad_(True)
+        """The Laplace approximation of ``N(x; m, cov) g(y_t | x)`` by a few Newton steps on its log.
+
+        The curvature of ``log g`` is clipped to its concave part (eigenvalues of the negative
+        Hessian below 0 set to 0), so every step has a positive-definite precision: for a
+        linear-Gaussian observation the first step is the Kalman update and the rest do nothing;
+        for a heavy-tailed likelihood far from the data (where ``log g`` is convex) a step is a
+        preconditioned gradient step instead of a jump."""
+        prec_prior = torch.cholesky_inverse(torch.linalg.cholesky(cov))
         prev = None if x_prev is None else x_prev[:1]
 
         def log_g(x):
-            trace, _ = self._run_model(snapshot, prev, {site: x}, y, args, kwargs)
+            trace, _ = self._run_model(snapshot, prev, {site: x.unsqueeze(0)}, y, args, kwargs)
             return self._log_density(trace, site, False, 1, x, observed_only=True).sum()
 
-        grad, = torch.autograd.grad(log_g(x), x)
-        hess = torch.autograd.functional.hessian(log_g, x.detach()).reshape(len(m), len(m))
-        precision = torch.cholesky_inverse(torch.linalg.cholesky(cov)) - 0.5 * (hess + hess.T)
-        chol, info = torch.linalg.cholesky_ex(precision)
-        if int(info) != 0 or not bool(torch.isfinite(grad).all()):
-            return m, cov
-        new_cov = torch.cholesky_inverse(chol)
-        return (m + new_cov @ grad.reshape(-1)).detach(), new_cov.detach()
+        def objective(x):
+            r = x - m
+            return log_g(x) - 0.5 * r @ prec_prior @ r
+
+        x, new_cov = m.detach().clone(), cov
+        for _ in range(_NEWTON_STEPS):
+            xg = x.clone().requires_grad_(True)
+            value = objective(xg)
+            (grad,) = torch.autograd.grad(value, xg)
+            hess = torch.autograd.functional.hessian(log_g, x)
+            vals, vecs = torch.linalg.eigh(-0.5 * (hess + hess.T))
+            curvature = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.T
+            chol, info = torch.linalg.cholesky_ex(prec_prior + curvature)
+            if int(info) != 0 or not bool(torch.isfinite(grad).all()):
+                break
+            new_cov = torch.cholesky_inverse(chol)
+            step = new_cov @ grad
+            # Backtracking: where the curvature was clipped the full step can overshoot.
+            for _ in range(20):
+                with torch.no_grad():
+                    if float(objective(x + step)) >= float(value):
+                        break
+                step = step / 2
+            x = (x + step).detach()
+            if float(step.abs().max()) <= 1e-6 * (1 + float(x.abs().max())):
+                break
+        return x, new_cov.detach()
 
     def _log_density(self, trace, site: str, missing: bool, n: int, like: Tensor, observed_only: bool = False) -> Tensor:
         """``log f + log g`` per sample from a conditioned trace (``log g`` alone with ``observed_only``)."""
