@@ -1,6 +1,7 @@
 """ArviZ export: ``to_inference_data`` for :class:`~pyro_smc.SMC` runs, streaming filters and guides.
 
-* An :class:`~pyro_smc.SMC` run becomes one chain per filter. The final particles are resampled
+* An :class:`~pyro_smc.SMC` run becomes one chain per filter. The final weighted particles (after
+  the last reweighting, before that step's resampling: ``SMC.weighted_particles``) are resampled
   to equal weight (multinomially, ``num_draws`` per filter, default the number of particles) into
   the ``posterior`` group; ``sample_stats`` holds each draw's ``log_weight`` (the normalised
   log-weight of the particle it copies), and the filter's ``log_evidence`` and ``ess`` (constant
@@ -52,14 +53,15 @@ def _from_smc(smc: SMC, num_draws: int | None, generator: torch.Generator | None
 
     if smc.log_weights is None:
         raise ValueError("to_inference_data: the SMC object has not been run (call .run or .init/.step first)")
-    log_w = smc.log_weights.detach()  # (B, N)
+    particles, log_w = smc.weighted_particles
+    log_w = log_w.detach()  # (B, N)
     B, N = log_w.shape
     num_draws = N if num_draws is None else int(num_draws)
     if num_draws < 1:
         raise ValueError(f"num_draws must be >= 1, got {num_draws}")
     index = torch.multinomial(log_w.exp().cpu(), num_draws, replacement=True, generator=generator).to(log_w.device)  # (B, D)
     posterior = {}
-    for key, value in smc.state.items():
+    for key, value in particles.items():
         batched = value if smc.num_filters > 1 else value.unsqueeze(0)
         if not isinstance(batched, Tensor):
             continue

@@ -168,6 +168,7 @@ class SMC:
         self.log_weights: Tensor | None = None
         self.log_evidence: Tensor | None = None
         self.ess: Tensor | None = None
+        self._weighted: tuple[dict, Tensor] | None = None
         self._means: dict[str, list[Tensor]] = {}
         self._ess_history: list[Tensor] = []
         self._resampled: list[Tensor] = []
@@ -230,6 +231,15 @@ class SMC:
     def resampled(self) -> Tensor:
         return torch.stack(self._resampled)
 
+    @property
+    def weighted_particles(self) -> tuple[dict[str, Tensor], Tensor]:
+        """The particles and normalised log-weights ``(B, N)`` after the last reweighting, before any
+        resampling. For posterior summaries prefer these to ``state``: resampling only adds noise,
+        and OT resampling also shrinks the cloud (its barycentric map has bias ``O(epsilon)``)."""
+        if self.log_weights is None:
+            raise RuntimeError("SMC has not been run; call init/step or run first")
+        return self._weighted
+
     def get_empirical(self) -> dict[str, dist.Empirical]:
         """The weighted particle approximation of each state tensor, as ``SMCFilter`` returns it.
 
@@ -259,6 +269,7 @@ class SMC:
             "log_weights": detached(self.log_weights),
             "log_evidence": detached(self.log_evidence),
             "ess": detached(self.ess),
+            "weighted": None if self._weighted is None else ({k: v.detach().clone() for k, v in self._weighted[0].items()}, detached(self._weighted[1])),
             "means": {k: [v.detach().clone() for v in values] for k, values in self._means.items()},
             "ess_history": [v.clone() for v in self._ess_history],
             "resampled": [v.clone() for v in self._resampled],
@@ -277,6 +288,7 @@ class SMC:
         for key, value in state["state"].items():
             dict.__setitem__(self.state, key, value.clone())
         self.log_weights, self.log_evidence, self.ess = state["log_weights"], state["log_evidence"], state["ess"]
+        self._weighted = state.get("weighted")
         self._means = {k: list(v) for k, v in state["means"].items()}
         self._ess_history = list(state["ess_history"])
         self._resampled = list(state["resampled"])
@@ -420,6 +432,8 @@ class SMC:
                     mean = (w.unsqueeze(-2) @ flat.to(w.dtype)).squeeze(-2)
                     self._means.setdefault(key, []).append(mean.reshape((self.num_filters,) + value.shape[2:]))
             self._ess_history.append(ess)
+        # References, not copies: resampling replaces the state tensors instead of mutating them.
+        self._weighted = (dict(self.state), log_w)
         need = ess < self.ess_threshold * self.num_particles
         if self.state and bool(need.any()):
             self._resample(need)
