@@ -56,6 +56,9 @@ def _check_square(name: str, value: Tensor, size: int, what: str) -> None:
         raise ValueError(f"{name} must be a square matrix (..., {what}, {what}), got shape {tuple(value.shape)}")
     if value.shape[-1] != size:
         raise ValueError(f"{name} must have shape (..., {size}, {size}) to match loc's {what} = {size}, got shape {tuple(value.shape)}")
+    # torch's lower_cholesky constraint lets inf through; an infinite scale is never meant.
+    if not bool(torch.isfinite(value.detach()).all()):
+        raise ValueError(f"{name} has non-finite entries")
 
 
 class MatrixNormal(TorchDistribution):

@@ -97,6 +97,8 @@ class Regressor(abc.ABC):
         if not inputs.is_floating_point():
             raise ValueError(f"inputs must have a floating dtype, got {inputs.dtype}")
         N = inputs.shape[0]
+        if inputs.shape[1] < 1:
+            raise ValueError(f"inputs must have at least one column (d >= 1), got shape {tuple(inputs.shape)}")
         if N < 2:
             raise ValueError(f"inputs must have at least 2 rows (N >= 2), got N={N}")
         if not isinstance(targets, Tensor) or targets.dim() not in (1, 2) or targets.shape[0] != N:

@@ -48,6 +48,14 @@ __all__ = [
 Particles = dict[str, Tensor]
 
 
+def _check_particles(particles: Particles, log_weights: Tensor) -> None:
+    """Every state tensor must lead with the particle dims of ``log_weights``."""
+    for key, value in particles.items():
+        if not isinstance(value, Tensor) or tuple(value.shape[: log_weights.dim()]) != tuple(log_weights.shape):
+            shape = tuple(getattr(value, "shape", ()))
+            raise ValueError(f"particles['{key}'] has shape {shape}; its leading dims must equal log_weights' shape {tuple(log_weights.shape)}")
+
+
 def _gather(particles: Particles, index: Tensor) -> Particles:
     """Selects ancestors ``index`` (shape ``(..., N)``) along the particle dimension."""
     out = {}
@@ -72,6 +80,7 @@ class _IndexResampler(Resampler):
     _scheme = staticmethod(_resample.systematic)
 
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+        _check_particles(particles, log_weights)
         index = self._scheme(log_weights)
         n = log_weights.shape[-1]
         return _gather(particles, index), torch.full_like(log_weights, -math.log(n))
@@ -116,6 +125,7 @@ class SoftResampler(Resampler):
         self.alpha = _check_unit_interval("alpha", alpha)
 
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+        _check_particles(particles, log_weights)
         n = log_weights.shape[-1]
         log_mix = torch.logaddexp(log_weights + math.log(self.alpha), torch.full_like(log_weights, math.log1p(-self.alpha) - math.log(n)))
         index = _resample.multinomial(log_mix)
@@ -160,6 +170,7 @@ class OTResampler(Resampler):
         self.gradient = gradient
 
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+        _check_particles(particles, log_weights)
         batch = log_weights.shape
         floats = {k: v for k, v in particles.items() if v.is_floating_point()}
         if not floats:

@@ -41,6 +41,13 @@ def symmetrize(m: Tensor) -> Tensor:
     return (m + m.transpose(-1, -2)) / 2
 
 
+def _cholesky(name: str, matrix: Tensor) -> Tensor:
+    chol, info = torch.linalg.cholesky_ex(matrix)
+    if bool((info != 0).any()):
+        raise ValueError(f"{name} must be positive definite (Cholesky failed)")
+    return chol
+
+
 def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     """``(m, P) -> (P^{-1} m, P^{-1})`` by a Cholesky factorisation.
 
@@ -51,7 +58,7 @@ def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         ``(eta (..., d), precision (..., d, d))``.
     """
-    chol = torch.linalg.cholesky(cov)
+    chol = _cholesky("cov", cov)
     eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device).expand_as(cov)
     prec = symmetrize(torch.cholesky_solve(eye, chol))
     return torch.cholesky_solve(mean.unsqueeze(-1), chol).squeeze(-1), prec
@@ -59,7 +66,7 @@ def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
 def to_moment(eta: Tensor, prec: Tensor) -> tuple[Tensor, Tensor]:
     """``(eta, Lambda) -> (Lambda^{-1} eta, Lambda^{-1})``; ``Lambda`` must be positive definite."""
-    chol = torch.linalg.cholesky(prec)
+    chol = _cholesky("prec", prec)
     eye = torch.eye(prec.shape[-1], dtype=prec.dtype, device=prec.device).expand_as(prec)
     cov = symmetrize(torch.cholesky_solve(eye, chol))
     return torch.cholesky_solve(eta.unsqueeze(-1), chol).squeeze(-1), cov
@@ -133,6 +140,8 @@ def tril_from_vector(params: Tensor, size: int) -> Tensor:
     Returns:
         ``(..., n, n)`` lower-triangular with positive diagonal.
     """
+    if params.dim() == 0 or params.shape[-1] != size * (size + 1) // 2:
+        raise ValueError(f"params must have last dim size (size + 1) / 2 = {size * (size + 1) // 2} for size {size}, got shape {tuple(params.shape)}")
     rows, cols = torch.tril_indices(size, size, device=params.device)
     flat = params.new_zeros(params.shape[:-1] + (size * size,))
     raw = flat.scatter(-1, (rows * size + cols).expand(params.shape), params).reshape(params.shape[:-1] + (size, size))
@@ -142,6 +151,8 @@ def tril_from_vector(params: Tensor, size: int) -> Tensor:
 def tril_to_vector(scale_tril: Tensor) -> Tensor:
     """The inverse of :func:`tril_from_vector`: ``(..., n, n)`` -> ``(..., n (n + 1) / 2)``."""
     n = scale_tril.shape[-1]
+    if not bool((scale_tril.detach().diagonal(dim1=-2, dim2=-1) > 0).all()):
+        raise ValueError("scale_tril must have a positive diagonal")
     rows, cols = torch.tril_indices(n, n, device=scale_tril.device)
     raw = scale_tril.tril(-1) + torch.diag_embed(scale_tril.diagonal(dim1=-2, dim2=-1).log())
     return raw[..., rows, cols]

@@ -84,7 +84,16 @@ def kron_matvec(a: Tensor, b: Tensor, x: Tensor) -> Tensor:
     Returns:
         ``(..., n, p)``: ``A @ X @ B``, i.e. ``unvec((B^T kron A) vec(X))``.
     """
+    _check_kron("kron_matvec", a, b, x)
     return a @ x @ b
+
+
+def _check_kron(op: str, a: Tensor, b: Tensor, x: Tensor | None = None) -> None:
+    for name, m in (("a", a), ("b", b)):
+        if m.dim() < 2 or m.shape[-1] != m.shape[-2]:
+            raise ValueError(f"{op}: {name} must be square (..., k, k), got shape {tuple(m.shape)}")
+    if x is not None and (x.dim() < 2 or x.shape[-2] != a.shape[-1] or x.shape[-1] != b.shape[-1]):
+        raise ValueError(f"{op}: the matrix must have shape (..., {a.shape[-1]}, {b.shape[-1]}) to match a and b, got {tuple(x.shape)}")
 
 
 def kron_solve(a: Tensor, b: Tensor, y: Tensor, *, tri_a: str | None = None, tri_b: str | None = None) -> Tensor:
@@ -104,6 +113,11 @@ def kron_solve(a: Tensor, b: Tensor, y: Tensor, *, tri_a: str | None = None, tri
     for name, tri in (("tri_a", tri_a), ("tri_b", tri_b)):
         if tri not in (None, "lower", "upper"):
             raise ValueError(f"{name} must be None, 'lower' or 'upper', got {tri!r}")
+    _check_kron("kron_solve", a, b, y)
+    for name, m, tri in (("a", a, tri_a), ("b", b, tri_b)):
+        # A triangular solve divides by the diagonal; a zero there would return inf/NaN silently.
+        if tri is not None and bool((m.detach().diagonal(dim1=-2, dim2=-1) == 0).any()):
+            raise ValueError(f"kron_solve: triangular {name} is singular (a zero on its diagonal)")
     if tri_a is None:
         z = torch.linalg.solve(a, y)
     else:
@@ -124,6 +138,7 @@ def kron_logdet(a: Tensor, b: Tensor, *, triangular: bool = False) -> Tensor:
     Returns:
         ``(...)``: the log absolute determinant.
     """
+    _check_kron("kron_logdet", a, b)
     n, p = a.shape[-1], b.shape[-1]
     if triangular:
         la = a.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)

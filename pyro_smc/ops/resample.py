@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pyro_smc.ops.weights import check_log_weights
+
 __all__ = ["multinomial", "stratified", "systematic", "inverse_cdf"]
 
 
@@ -49,6 +51,7 @@ def multinomial(log_weights: Tensor, generator: torch.Generator | None = None) -
     Returns:
         Ancestor indices, shape ``(..., N)``.
     """
+    check_log_weights(log_weights)
     n = log_weights.shape[-1]
     probs = torch.exp(log_weights.detach()).reshape(-1, n)
     index = torch.multinomial(probs, n, replacement=True, generator=generator)
@@ -65,6 +68,7 @@ def stratified(log_weights: Tensor, generator: torch.Generator | None = None) ->
     Returns:
         Ancestor indices, shape ``(..., N)``.
     """
+    check_log_weights(log_weights)
     lw = log_weights.detach()
     n = lw.shape[-1]
     u = torch.rand(lw.shape, dtype=lw.dtype, device=lw.device, generator=generator)
@@ -82,6 +86,7 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
     Returns:
         Ancestor indices, shape ``(..., N)``.
     """
+    check_log_weights(log_weights)
     lw = log_weights.detach()
     n = lw.shape[-1]
     u = torch.rand(lw.shape[:-1] + (1,), dtype=lw.dtype, device=lw.device, generator=generator)

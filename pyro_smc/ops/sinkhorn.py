@@ -217,12 +217,27 @@ def _solve_loop(
     a, b = log_a.exp(), log_b.exp()
     # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
     kernel = torch.exp(_log_kernel(cost, f, g, eps)) if schedule else torch.exp(cost * (-1.0 / eps))
-    u = 1 / _rowsum(kernel, b)
-    if not bool(torch.isfinite(u).all()):
-        # A row of the kernel underflowed: take the first row update in the log domain.
-        f = f - eps * torch.logsumexp(_log_kernel(cost, f, g, eps) + log_b.unsqueeze(-2), dim=-1)
+    # Particles of zero weight have no marginal to match; their scalings are pinned to 1 so that
+    # 0 * inf never turns an error or a potential into NaN.
+    a_zero, b_zero = a == 0, b == 0
+    pin_a, pin_b = bool(a_zero.any()), bool(b_zero.any())
+    tiny = torch.finfo(kernel.dtype).tiny
+    row_sums, col_sums = _rowsum(kernel, b), _colsum(kernel, a)
+    if not bool(((row_sums > tiny) | a_zero).all() & ((col_sums > tiny) | b_zero).all() & torch.isfinite(row_sums).all()):
+        # A row or column of the kernel underflowed (to zero, or to denormals that keep only a
+        # few bits): take the first column and row updates in the log domain instead.
+        g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
+        f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
+        if pin_a:
+            f = torch.where(a_zero, torch.zeros_like(f), f)
+        if pin_b:
+            g = torch.where(b_zero, torch.zeros_like(g), g)
         kernel = torch.exp(_log_kernel(cost, f, g, eps))
         u = torch.ones_like(a)
+    else:
+        u = 1 / row_sums
+        if pin_a:
+            u = torch.where(a_zero, torch.ones_like(u), u)
     v = torch.ones_like(b)
     f_out, g_out = f, g
     active = None  # indices of the working set in the batch, once compacted
@@ -232,11 +247,15 @@ def _solve_loop(
         iters += 1
         u_prev, v_prev = u, v
         v = 1 / _colsum(kernel, a * u)
+        if pin_b:
+            v = torch.where(b_zero, torch.ones_like(v), v)
         if omega is not None:
             v = v_prev.pow(1 - omega) * v.pow(omega)
         kv = _rowsum(kernel, b * v)
         err = (a * (u * kv - 1).abs()).sum(-1)
         u_exact = 1 / kv
+        if pin_a:
+            u_exact = torch.where(a_zero, torch.ones_like(u_exact), u_exact)
         if iters == _PLAIN_ITERS and _MAX_OMEGA > 1:
             omega = _relaxation(err.detach() / err_prev.detach())
         err_prev = err
@@ -251,11 +270,20 @@ def _solve_loop(
             f, g = f + eps * torch.log(u), g + eps * torch.log(v)
             g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
             f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
+            if pin_a:
+                f = torch.where(a_zero, torch.zeros_like(f), f)
+            if pin_b:
+                g = torch.where(b_zero, torch.zeros_like(g), g)
             kernel = torch.exp(_log_kernel(cost, f, g, eps))
             u, v = torch.ones_like(u), torch.ones_like(v)
             u_exact = u
             continue
         done = err < threshold
+        if omega is not None and bool(done.any()):
+            # Over-relaxed v is not the exact column update, so the returned pair (u_exact, v)
+            # can miss the column marginal by far more than err says: check it before stopping.
+            col_err = (b * (v * _colsum(kernel, a * u_exact) - 1).abs()).sum(-1)
+            done = done & (col_err < threshold)
         num_done = int(done.sum())
         if num_done == done.numel():
             break
@@ -268,6 +296,7 @@ def _solve_loop(
             g_out[active[finished]] = g[finished] + eps * torch.log(v[finished])
             active = active[keep]
             f, g, u, v, u_exact, err_prev, a, b, log_a, log_b = (t.index_select(0, keep) for t in (f, g, u, v, u_exact, err_prev, a, b, log_a, log_b))
+            a_zero, b_zero = a_zero.index_select(0, keep), b_zero.index_select(0, keep)
             omega = None if omega is None else omega.index_select(0, keep)
             kernel, cost = kernel.index_select(0, keep), cost.index_select(0, keep)
     # The returned potentials take the last exact row update, so rows of the plan are exact.
@@ -431,8 +460,15 @@ def sinkhorn(
     Returns:
         ``(f, g)``, potentials of shapes ``(..., N)`` and ``(..., M)``.
     """
-    if not epsilon > 0:
-        raise ValueError(f"sinkhorn: epsilon must be > 0, got {epsilon}")
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"sinkhorn: epsilon must be finite and > 0, got {epsilon}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"sinkhorn: max_iter must be an int >= 1, got {max_iter!r}")
+    if cost.dim() < 2 or log_a.shape[-1:] != cost.shape[-2:-1] or log_b.shape[-1:] != cost.shape[-1:]:
+        raise ValueError(
+            f"sinkhorn: cost (..., N, M) = {tuple(cost.shape)} needs log_a (..., N) and log_b (..., M), "
+            f"got {tuple(log_a.shape)} and {tuple(log_b.shape)}"
+        )
     if gradient not in GRADIENT_MODES:
         raise ValueError(f"sinkhorn: gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
     epsilon = float(epsilon)

@@ -18,7 +18,21 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["normalize", "ess", "log_mean_exp"]
+__all__ = ["check_log_weights", "normalize", "ess", "log_mean_exp"]
+
+
+def check_log_weights(log_weights: Tensor, name: str = "log_weights") -> None:
+    """Raises ``ValueError`` unless ``log_weights`` ``(..., N)`` has ``N >= 1`` entries, no NaN or
+    ``+inf``, and at least one finite entry in every row (an all ``-inf`` row has no normalisation)."""
+    if not isinstance(log_weights, Tensor) or log_weights.dim() == 0:
+        raise ValueError(f"{name} must be a tensor of shape (..., N), got {tuple(getattr(log_weights, 'shape', ()))}")
+    if log_weights.shape[-1] == 0:
+        raise ValueError(f"{name} must have at least one particle (last dim > 0)")
+    lw = log_weights.detach()
+    if bool(torch.isnan(lw).any()) or bool((lw == float("inf")).any()):
+        raise ValueError(f"{name} contains NaN or +inf")
+    if bool((lw == float("-inf")).all(-1).any()):
+        raise ValueError(f"{name} has a row whose weights are all zero (all -inf)")
 
 
 def normalize(log_weights: Tensor) -> tuple[Tensor, Tensor]:
@@ -31,6 +45,7 @@ def normalize(log_weights: Tensor) -> tuple[Tensor, Tensor]:
         ``(log_w, log_sum)``: normalised log-weights ``(..., N)`` with ``logsumexp(log_w) = 0``
         and ``log_sum = logsumexp(log_weights)`` of shape ``(...)``.
     """
+    check_log_weights(log_weights)
     log_sum = torch.logsumexp(log_weights, dim=-1)
     return log_weights - log_sum.unsqueeze(-1), log_sum
 
