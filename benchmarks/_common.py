@@ -24,6 +24,14 @@ def add_common_args(parser) -> None:
     torch makes even 2x2 ops stall on thread barriers, which swamps what is being measured)."""
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (they go to stderr)")
+
+
+def progress(iterable, desc: str, args=None, total: int | None = None):
+    """A tqdm progress bar over the long loops of a benchmark (off with ``--no-progress``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, disable=bool(getattr(args, "no_progress", False)), leave=False)
 
 
 def setup(args) -> None:

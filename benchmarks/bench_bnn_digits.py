@@ -66,7 +66,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 from sklearn.datasets import load_digits
 
-from _common import RESULTS, add_common_args, command, load_average, machine_info, print_table, setup, write_results
+from _common import RESULTS, add_common_args, command, load_average, machine_info, print_table, progress, setup, write_results
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
 ARCHS = ("mlp", "conv")
@@ -327,7 +327,7 @@ def result_name(arch: str) -> str:
 def run_arch(arch: str, steps: int, n_seeds: int, warmup: int, rounds: int) -> dict:
     per = {g: [] for g in GUIDES}
     t_start = time.perf_counter()
-    for seed in range(n_seeds):
+    for seed in progress(range(n_seeds), f"{arch}: seeds"):
         for g in GUIDES:  # guides alternate within a seed, spreading drifts of machine load
             r = run_one(g, seed, steps, warmup, arch)
             per[g].append(r)

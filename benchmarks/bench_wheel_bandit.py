@@ -70,7 +70,7 @@ from pyro.infer.autoguide.initialization import init_to_value
 from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
 NUM_ACTIONS = 5
@@ -321,7 +321,7 @@ def main():
     steps_idx = list(range(CURVE_EVERY - 1, n_ctx, CURVE_EVERY))
     if steps_idx[-1] != n_ctx - 1:
         steps_idx.append(n_ctx - 1)
-    for delta in deltas:
+    for delta in progress(deltas, "deltas", args):
         for seed in range(n_seeds):
             gen = torch.Generator().manual_seed(int(1000 * delta) * 100 + seed)
             data = sample_wheel(n_ctx, delta, gen, args.noise_sd)
