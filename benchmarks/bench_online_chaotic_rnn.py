@@ -62,13 +62,12 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer import SMCFilter
-from pyro.nn import PyroModule
 
 from _common import add_common_args, print_table, setup, write_results
 from pyro_smc import SMC, OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.infer import extended_kalman_filter
-from pyro_smc.models import NonlinearGaussianSSM
+from pyro_smc.models import ChaoticRNN, NonlinearGaussianSSM
 
 D = 5
 DELTA = 0.001
@@ -83,51 +82,17 @@ EKF_GRID = (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 1.0)
 BURN_IN = 10  # the first steps, where every filter starts from the N(0, I) prior, are also left out in a second RMSE
 
 
-def student_t_quartile(df: float) -> float:
-    """The 0.75 quantile of a standard Student-t (closed form for df = 2, else by bisection on the CDF)."""
-    if df == 2.0:
-        return 0.5 / math.sqrt(2 * 0.75 * 0.25)
-    t = dist.StudentT(torch.tensor(df, dtype=torch.float64))
-    lo, hi = 0.0, 10.0
-    for _ in range(80):
-        mid = 0.5 * (lo + hi)
-        # CDF by numerical integration of the density on [0, mid].
-        grid = torch.linspace(0.0, mid, 4001, dtype=torch.float64)
-        cdf = 0.5 + torch.trapezoid(t.log_prob(grid).exp(), grid)
-        lo, hi = (mid, hi) if cdf < 0.75 else (lo, mid)
-    return 0.5 * (lo + hi)
-
-
-NORMAL_QUARTILE = 0.6744897501960817
-SURROGATE_STD = OBS_SCALE * student_t_quartile(OBS_DF) / NORMAL_QUARTILE
+def _model(W: torch.Tensor) -> ChaoticRNN:
+    return ChaoticRNN(D, DELTA, TAU, GAMMA, Q_STD, OBS_SCALE, OBS_DF, weight=W)
 
 
 def drift(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """One Euler step of ``tau dx/dt = -x + gamma W tanh(x)`` with step ``Delta``, batched over ``x``'s leading dims."""
-    return x + (DELTA / TAU) * (-x + GAMMA * torch.tanh(x) @ W.transpose(-1, -2))
+    """One Euler step of ``tau dx/dt = -x + gamma W tanh(x)`` (the library model's transition mean)."""
+    return _model(W).transition_mean(x)
 
 
-class ChaoticRNN(PyroModule):
-    """The chaotic RNN state-space model in the ``init``/``step`` protocol (Student-t observations)."""
-
-    def __init__(self, W: torch.Tensor):
-        super().__init__()
-        self.register_buffer("W", W)
-        self._t = 0
-
-    def init(self, state: dict) -> None:
-        self._t = 0
-
-    def step(self, state: dict, y: torch.Tensor | None = None) -> torch.Tensor:
-        t = self._t
-        if "x" in state:
-            prior = dist.Normal(drift(state["x"], self.W), Q_STD).to_event(1)
-        else:
-            prior = dist.Normal(self.W.new_zeros(D), INIT_STD).to_event(1)
-        x = pyro.sample(f"x_{t}", prior)
-        state["x"] = x
-        self._t = t + 1
-        return pyro.sample(f"y_{t}", dist.StudentT(OBS_DF, x, OBS_SCALE).to_event(1), obs=y)
+# The library's Gaussian surrogate of the Student-t: the interquartile range matched.
+SURROGATE_STD = float(_model(torch.eye(D)).as_nonlinear_gaussian().observation_cov[0, 0].sqrt())
 
 
 class BootstrapGuide:
@@ -175,7 +140,7 @@ def run_vf(W, ys, args, seed):
     pyro.set_rng_seed(seed)
     guide = StreamingFilterGuide(D, covariance=args.covariance)
     vf = OnlineVariationalFilter(
-        ChaoticRNN(W),
+        _model(W),
         guide,
         num_samples=args.num_samples,
         num_iterations=args.num_iterations,
@@ -208,13 +173,13 @@ def run_ekf_best(W, ys, xs):
 
 def run_smc(W, ys, num_particles, seed):
     pyro.set_rng_seed(seed)
-    smc = SMC(ChaoticRNN(W), num_particles=num_particles).run(ys)
+    smc = SMC(_model(W), num_particles=num_particles).run(ys)
     return smc.filtering_means["x"].reshape(len(ys), D), {"mean_ess_fraction": float(smc.ess_history.mean()) / num_particles}
 
 
 def run_smcfilter(W, ys, num_particles, seed):
     pyro.set_rng_seed(seed)
-    smc = SMCFilter(ChaoticRNN(W), BootstrapGuide(W), num_particles=num_particles, max_plate_nesting=0)
+    smc = SMCFilter(_model(W), BootstrapGuide(W), num_particles=num_particles, max_plate_nesting=0)
     smc.init()
     means = []
     for y in ys:
