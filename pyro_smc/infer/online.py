@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections import deque
 from typing import Any, Callable
 
@@ -63,7 +64,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pyro_smc.guides.streaming import GaussianKernel, StreamingFilterGuide, _gaussian
-from pyro_smc.regression import Regressor, make_regressor
+from pyro_smc.regression import QuadraticRegressor, Regressor, make_regressor
 
 __all__ = ["INITIALIZE", "OnlineVariationalFilter", "robbins_monro"]
 
@@ -154,6 +155,15 @@ class OnlineVariationalFilter:
         except ValueError as error:
             raise ValueError(f"regressor: {error}") from None
         self._score_regressor = copy.deepcopy(self._value_regressor)
+        if isinstance(self._value_regressor, QuadraticRegressor):
+            features = 1 + guide.state_dim + guide.state_dim * (guide.state_dim + 1) // 2
+            if self.num_regression_samples < 2 * features:
+                # Measured: at d = 10 (66 features) 64 samples give NaN and 128 a runaway theta.
+                warnings.warn(
+                    f"num_regression_samples={self.num_regression_samples} is below twice the {features} quadratic features of a "
+                    f"{guide.state_dim}-d state; the regressions (and online parameter learning) can diverge",
+                    stacklevel=2,
+                )
         self._state_key = state_key
         self.progress_bar = bool(progress_bar)
         self.lr = float(lr)
@@ -538,12 +548,9 @@ class OnlineVariationalFilter:
     def _learn(self, delta: Tensor, x_t: Tensor, x_prev: Tensor | None) -> None:
         """Per-sample scores by one batched backward pass, the score regression, then
         ``theta <- theta + eta_t (G_t - G_{t-1})``."""
-        names = list(self._theta)
-        leaves = [self._theta[name] for name in names]
-        eye = torch.eye(len(delta), dtype=delta.dtype, device=delta.device)
+        leaves = [self._theta[name] for name in self._theta]
         # Only log f + log g depend on theta, so the per-sample gradient of delta is the score s_t.
-        grads = torch.autograd.grad(delta, leaves, grad_outputs=eye, is_grads_batched=True, allow_unused=True)
-        scores = torch.cat([(torch.zeros_like(p).expand((len(delta),) + p.shape) if g is None else g).reshape(len(delta), -1) for p, g in zip(leaves, grads)], -1)
+        scores = _per_sample_gradients(delta, leaves)
         if x_prev is not None and self._score is not None:
             scores = scores + self._score(x_prev)
         self._score = self._score_regressor.fit(x_t, scores)
@@ -557,6 +564,36 @@ class OnlineVariationalFilter:
                 size = leaf.numel()
                 leaf.add_(eta * step[offset : offset + size].reshape(leaf.shape))
                 offset += size
+
+
+def _per_sample_gradients(values: Tensor, leaves: list[Tensor]) -> Tensor:
+    """``d values_i / d theta`` for every sample ``i``: ``(n, P)`` with ``P`` the total size of ``leaves``.
+
+    With fewer parameters than samples, differentiate the vector-Jacobian product ``v^T J`` once more
+    in ``v`` (``P`` batched passes instead of ``n``: 8x faster at ``n = 256``, 200x at ``n = 1024``);
+    otherwise batch one backward pass per sample.
+    """
+    n = values.shape[0]
+    sizes = [p.numel() for p in leaves]
+    total = sum(sizes)
+    if total < n:
+        v = torch.ones_like(values, requires_grad=True)
+        grads = torch.autograd.grad(values, leaves, grad_outputs=v, create_graph=True, allow_unused=True)
+        used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        if used:
+            flat = torch.cat([grads[i].reshape(-1) for i in used])
+            eye = torch.eye(flat.numel(), dtype=flat.dtype, device=flat.device)
+            (jac,) = torch.autograd.grad(flat, v, grad_outputs=eye, is_grads_batched=True)
+            out, offset = values.new_zeros(n, total), 0
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            for i in used:
+                out[:, starts[i] : starts[i] + sizes[i]] = jac[offset : offset + sizes[i]].T
+                offset += sizes[i]
+            return out
+        return values.new_zeros(n, total)
+    eye = torch.eye(n, dtype=values.dtype, device=values.device)
+    grads = torch.autograd.grad(values, leaves, grad_outputs=eye, is_grads_batched=True, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p).expand((n,) + p.shape) if g is None else g).reshape(n, -1) for p, g in zip(leaves, grads)], -1)
 
 
 def _jittered(cov: Tensor) -> Tensor:

@@ -280,3 +280,21 @@ def test_state_dict_resume_is_bit_identical(learn, tmp_path):
     got = (resumed.elbo, resumed.filtering_distribution().mean, resumed.parameters(), resumed.smoothing_samples(4))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and torch.equal(got[3], expected[3])
     assert got[2].keys() == expected[2].keys() and all(torch.equal(got[2][k], expected[2][k]) for k in got[2])
+
+
+@pytest.mark.parametrize("n", [4, 64])  # more parameters than samples, and fewer
+def test_per_sample_gradients_match_a_loop(n):
+    from pyro_smc.infer.online import _per_sample_gradients
+
+    torch.manual_seed(0)
+    a, c, unused = (torch.randn(k, dtype=torch.float64, requires_grad=True) for k in (5, 5, 3))
+    x0, x1 = torch.randn(n, 5, dtype=torch.float64), torch.randn(n, 5, dtype=torch.float64)
+    values = dist.Normal(x0 * a, 0.1).log_prob(x1).sum(-1) + dist.Normal(x1 * c.exp(), 0.3).log_prob(torch.ones(5)).sum(-1)
+    expected = torch.stack([torch.cat([*torch.autograd.grad(values[i], [a, c], retain_graph=True), torch.zeros(3, dtype=a.dtype)]) for i in range(n)])
+    got = _per_sample_gradients(values, [a, c, unused])
+    torch.testing.assert_close(got, expected)
+
+
+def test_too_few_regression_samples_warn():
+    with pytest.warns(UserWarning, match="quadratic features"):
+        OnlineVariationalFilter(_ssm(), StreamingFilterGuide(3), num_regression_samples=8)
