@@ -171,6 +171,21 @@ def _relaxation(rate: Tensor) -> Tensor:
     return (2 / (1 + (1 - rate).sqrt())).clamp(1, _MAX_OMEGA).unsqueeze(-1)
 
 
+def _log_domain_update(
+    cost: Tensor, f: Tensor, g: Tensor, log_a: Tensor, log_b: Tensor, eps: float, a_zero: Tensor | None, b_zero: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One exact log-domain column then row update; returns ``(f, g, kernel)`` with the new
+    potentials absorbed, so the kernel is O(1) at every row's and column's maximum. Potentials of
+    zero-mass particles (``a_zero`` / ``b_zero`` masks) are pinned to 0."""
+    g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
+    f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
+    if a_zero is not None:
+        f = torch.where(a_zero, torch.zeros_like(f), f)
+    if b_zero is not None:
+        g = torch.where(b_zero, torch.zeros_like(g), g)
+    return f, g, torch.exp(_log_kernel(cost, f, g, eps))
+
+
 def _solve_loop(
     cost: Tensor,
     log_a: Tensor,
@@ -226,13 +241,7 @@ def _solve_loop(
     if not bool(((row_sums > tiny) | a_zero).all() & ((col_sums > tiny) | b_zero).all() & torch.isfinite(row_sums).all()):
         # A row or column of the kernel underflowed (to zero, or to denormals that keep only a
         # few bits): take the first column and row updates in the log domain instead.
-        g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
-        f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
-        if pin_a:
-            f = torch.where(a_zero, torch.zeros_like(f), f)
-        if pin_b:
-            g = torch.where(b_zero, torch.zeros_like(g), g)
-        kernel = torch.exp(_log_kernel(cost, f, g, eps))
+        f, g, kernel = _log_domain_update(cost, f, g, log_a, log_b, eps, a_zero if pin_a else None, b_zero if pin_b else None)
         u = torch.ones_like(a)
     else:
         u = 1 / row_sums
@@ -268,13 +277,7 @@ def _solve_loop(
             if overflow:
                 u, v = u_prev, v_prev
             f, g = f + eps * torch.log(u), g + eps * torch.log(v)
-            g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
-            f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
-            if pin_a:
-                f = torch.where(a_zero, torch.zeros_like(f), f)
-            if pin_b:
-                g = torch.where(b_zero, torch.zeros_like(g), g)
-            kernel = torch.exp(_log_kernel(cost, f, g, eps))
+            f, g, kernel = _log_domain_update(cost, f, g, log_a, log_b, eps, a_zero if pin_a else None, b_zero if pin_b else None)
             u, v = torch.ones_like(u), torch.ones_like(v)
             u_exact = u
             continue
