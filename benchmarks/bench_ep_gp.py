@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc import EPSmoother
 from pyro_smc.gp import MultiOutputGP
 from pyro_smc.infer.projections import project
@@ -132,7 +132,7 @@ def main():
 
     start = time.perf_counter()
     per_scenario = []
-    for seed in range(num):
+    for seed in progress(range(num), "scenarios"):
         with torch.no_grad():  # GP fitting enables gradients itself
             per_scenario.append(run_scenario(seed, max_iter, fit_steps))
     summary = summarize(per_scenario)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc import EPSmoother
 from pyro_smc.infer import extended_kalman_filter, extended_rts_smoother, unscented_kalman_filter, unscented_rts_smoother
 from pyro_smc.models import NonlinearGaussianSSM
@@ -128,7 +128,7 @@ def main():
     angles, ys = book_data()
     book = run_all(ssm, angles[: steps + 1], ys[: steps + 1], max_iter)
     seeds = {}
-    for seed in range(num_seeds):
+    for seed in progress(range(num_seeds), "simulations"):
         a, y = simulate(seed, steps)
         seeds[seed] = run_all(ssm, a, y, max_iter)
 

@@ -63,7 +63,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer import SMCFilter
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc import SMC, OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.infer import extended_kalman_filter
@@ -236,7 +236,7 @@ def main():
         write_results("online_chaotic_rnn", payload)
         return payload.get("mean_over_seeds", {})
 
-    for seed in range(seeds):
+    for seed in progress(range(seeds), "seeds"):
         W, xs, ys = simulate(T, seed)
         rec = {"seed": seed, "methods": {}}
         records.append(rec)

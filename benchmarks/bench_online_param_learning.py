@@ -54,7 +54,7 @@ import pyro
 import torch
 from torch.func import jvp, vmap
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc import OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.models import DiagonalLinearGaussianSSM
@@ -129,7 +129,7 @@ def run_rmle(ys, a0, c0, a_true, c_true, eta, record_every):
     dm, dP = torch.zeros(p, D), torch.zeros(p, D, D)
     curve = [(0, *mae(theta, a_true, c_true))]
     start = time.perf_counter()
-    for t, y in enumerate(ys):
+    for t, y in enumerate(progress(ys, "stream")):
         (m, P, _), (dm, dP, dll) = rmle_step(m, P, dm, dP, theta, y, t == 0)
         theta = theta + eta(t) * dll
         if (t + 1) % record_every == 0 or t + 1 == len(ys):
@@ -161,7 +161,7 @@ def run_vf(ys, a0, c0, a_true, c_true, eta, record_every, args, seed):
     theta_of = lambda: torch.cat([model.transition_diag.detach(), model.emission_diag.detach()])  # noqa: E731
     curve = [(0, *mae(theta_of(), a_true, c_true))]
     start = time.perf_counter()
-    for t, y in enumerate(ys):
+    for t, y in enumerate(progress(ys, "stream")):
         vf.step(y)
         if (t + 1) % record_every == 0 or t + 1 == len(ys):
             params = vf.parameters()
