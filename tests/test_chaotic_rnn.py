@@ -59,3 +59,11 @@ def test_gaussian_surrogate_and_errors():
         ChaoticRNN(tau=0.0)
     with pytest.raises(ValueError, match="weight"):
         ChaoticRNN(dim=3, weight=torch.eye(2))
+
+
+def test_laplace_start_on_a_student_t_observation():
+    """x ~ N(0, 1), y ~ t_2(x, 0.1), y = 2: the exact posterior mean is about 1.9. An unclipped
+    Newton step from the prior mean (where log g is convex) once started the filter at 5.7."""
+    vf = OnlineVariationalFilter(ChaoticRNN(dim=1, generator=torch.Generator().manual_seed(0)), StreamingFilterGuide(1), num_iterations=0)
+    vf.step(torch.tensor([2.0]))
+    assert 1.5 < float(vf.filtering_distribution().mean) < 2.5
