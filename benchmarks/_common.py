@@ -134,3 +134,28 @@ def _fmt(value) -> str:
             return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
         return f"{value:.2e}"
     return str(value)
+
+
+class BootstrapGuide:
+    """``pyro.infer.SMCFilter`` needs a guide: this one proposes ``x_t`` from a Gaussian transition
+    ``N(transition_mean(x_{t-1}), scale^2 I)`` (``N(0, init_scale^2 I)`` at ``t = 0``) under the
+    model's site names ``x_t``, i.e. the bootstrap filter."""
+
+    def __init__(self, transition_mean, scale: float, dim: int, init_scale: float = 1.0):
+        self.transition_mean, self.scale, self.dim, self.init_scale = transition_mean, scale, dim, init_scale
+        self._t = 0
+
+    def init(self, state):
+        self._t = 0
+
+    def step(self, state, y=None):
+        import pyro
+        import pyro.distributions as dist
+
+        t = self._t
+        if "x" in state:
+            proposal = dist.Normal(self.transition_mean(state["x"]), self.scale).to_event(1)
+        else:
+            proposal = dist.Normal(torch.zeros(self.dim), self.init_scale).to_event(1)
+        pyro.sample(f"x_{t}", proposal)
+        self._t = t + 1

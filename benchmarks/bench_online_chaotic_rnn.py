@@ -63,7 +63,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer import SMCFilter
 
-from _common import add_common_args, print_table, progress, setup, write_results
+from _common import BootstrapGuide, add_common_args, print_table, progress, setup, write_results
 from pyro_smc import SMC, OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.infer import extended_kalman_filter
@@ -93,26 +93,6 @@ def drift(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
 
 # The library's Gaussian surrogate of the Student-t: the interquartile range matched.
 SURROGATE_STD = float(_model(torch.eye(D)).as_nonlinear_gaussian().observation_cov[0, 0].sqrt())
-
-
-class BootstrapGuide:
-    """Proposes ``x_t`` from the transition (``pyro.infer.SMCFilter`` needs a guide)."""
-
-    def __init__(self, W: torch.Tensor):
-        self.W = W
-        self._t = 0
-
-    def init(self, state):
-        self._t = 0
-
-    def step(self, state, y=None):
-        t = self._t
-        if "x" in state:
-            proposal = dist.Normal(drift(state["x"], self.W), Q_STD).to_event(1)
-        else:
-            proposal = dist.Normal(self.W.new_zeros(D), INIT_STD).to_event(1)
-        pyro.sample(f"x_{t}", proposal)
-        self._t = t + 1
 
 
 def simulate(T: int, seed: int):
@@ -179,7 +159,7 @@ def run_smc(W, ys, num_particles, seed):
 
 def run_smcfilter(W, ys, num_particles, seed):
     pyro.set_rng_seed(seed)
-    smc = SMCFilter(_model(W), BootstrapGuide(W), num_particles=num_particles, max_plate_nesting=0)
+    smc = SMCFilter(_model(W), BootstrapGuide(lambda x: drift(x, W), Q_STD, D, INIT_STD), num_particles=num_particles, max_plate_nesting=0)
     smc.init()
     means = []
     for y in ys:

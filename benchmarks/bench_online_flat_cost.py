@@ -75,11 +75,10 @@ import warnings
 from collections import deque
 
 import pyro
-import pyro.distributions as dist
 import torch
 from pyro.infer import SMCFilter
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import BootstrapGuide, add_common_args, print_table, setup, write_results
 from pyro_smc import SMC, OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.models import DiagonalLinearGaussianSSM
@@ -151,27 +150,6 @@ def rss_kib() -> int:
     return -1
 
 
-# --- the anchors' guide ---------------------------------------------------------------------------
-class BootstrapGuide:
-    """Proposes ``x_t`` from the model's transition (``SMCFilter`` needs a guide)."""
-
-    def __init__(self, a: torch.Tensor):
-        self.a = a
-        self._t = 0
-
-    def init(self, state):
-        self._t = 0
-
-    def step(self, state, y=None):
-        t = self._t
-        if "x" in state:
-            proposal = dist.Normal(state["x"] * self.a, Q_STD).to_event(1)
-        else:
-            proposal = dist.Normal(torch.zeros_like(self.a), 1.0).to_event(1)
-        pyro.sample(f"x_{t}", proposal)
-        self._t = t + 1
-
-
 # --- one method in one process --------------------------------------------------------------------
 def build(method: str, a, c, args):
     pyro.clear_param_store()
@@ -203,7 +181,7 @@ def build(method: str, a, c, args):
                 smc.step(y)
 
         return smc, step
-    smc = SMCFilter(model, BootstrapGuide(a), num_particles=args.particles, max_plate_nesting=0)
+    smc = SMCFilter(model, BootstrapGuide(lambda x: x * a, Q_STD, len(a)), num_particles=args.particles, max_plate_nesting=0)
     smc.init()
     return smc, smc.step
 
