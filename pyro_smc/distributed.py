@@ -26,6 +26,7 @@ Example (``torchrun --nproc_per_node=2 script.py``)::
     for step in range(1000):
         idx = torch.randperm(N, generator=g)[:batch]           # same global batch on all ranks
         svi.step(x, y, subsample=idx.chunk(world)[rank])      # each rank its shard
+    dist.destroy_process_group()             # without it gloo may abort the process at exit
 """
 
 from __future__ import annotations

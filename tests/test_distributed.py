@@ -52,6 +52,11 @@ WORKER = textwrap.dedent(
         loss = DistributedELBO(SMCELBO(num_particles=30, num_filters=filters)).loss_and_grads(model, None, ys)
     if rank == 0 or world == 1:
         torch.save({"loss": loss, "grads": grads()}, os.path.join(workdir, tag + ".pt"))
+    if world > 1:
+        # Without a clean teardown gloo's background threads can abort the process at exit
+        # ("terminate called without an active exception"), failing the run after the work is done.
+        dist.barrier()
+        dist.destroy_process_group()
     """
 )
 
