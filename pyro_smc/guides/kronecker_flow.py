@@ -60,8 +60,8 @@ KINDS = ("diag", "linear", "nonlinear")
 
 
 def _tril_init(size: int, scale: float, like: Tensor) -> Tensor:
-    rows, cols = torch.tril_indices(size, size)
-    return torch.where(rows == cols, math.log(scale), 0.0).to(like)
+    rows, cols = torch.tril_indices(size, size, device=like.device)
+    return torch.where(rows == cols, math.log(scale), 0.0).to(like.dtype)
 
 
 class _KroneckerAffine(Transform):
@@ -139,13 +139,16 @@ class AutoKroneckerFlow(AutoGuide):
                 # The entry scale init_scale is split evenly between the row and column factors.
                 s = math.sqrt(self._init_scale)
                 if self.kind == "diag":
-                    setattr(self.scales, key + "_row", PyroParam(torch.full((n,), s).to(unconstrained), constraints.positive))
-                    setattr(self.scales, key + "_col", PyroParam(torch.full((p,), s).to(unconstrained), constraints.positive))
+                    setattr(self.scales, key + "_row", PyroParam(unconstrained.new_full((n,), s), constraints.positive))
+                    setattr(self.scales, key + "_col", PyroParam(unconstrained.new_full((p,), s), constraints.positive))
                 else:
                     setattr(self.scales, key + "_row", PyroParam(_tril_init(n, s, unconstrained)))
                     setattr(self.scales, key + "_col", PyroParam(_tril_init(p, s, unconstrained)))
                 if self.kind == "nonlinear":
-                    setattr(self.flows, key, kronecker_nonlinear(n, p, self.flow, self.hidden_dims).to(unconstrained))
+                    # Built on the site's device (not on the default one and then copied over).
+                    with torch.device(unconstrained.device):
+                        flow = kronecker_nonlinear(n, p, self.flow, self.hidden_dims)
+                    setattr(self.flows, key, flow.to(unconstrained.dtype))
             else:
                 setattr(self.locs, key, PyroParam(unconstrained))
                 setattr(self.scales, key, PyroParam(torch.full_like(unconstrained, self._init_scale), constraints.positive))
