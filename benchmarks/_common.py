@@ -27,15 +27,21 @@ def add_common_args(parser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (they go to stderr)")
 
 
+_NO_PROGRESS = False  # set from ``--no-progress`` by :func:`setup`, for bars made without ``args``
+
+
 def progress(iterable, desc: str, args=None, total: int | None = None):
     """A tqdm progress bar over the long loops of a benchmark (off with ``--no-progress``)."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, disable=bool(getattr(args, "no_progress", False)), leave=False)
+    disable = _NO_PROGRESS or bool(getattr(args, "no_progress", False))
+    return tqdm(iterable, desc=desc, total=total, disable=disable, leave=False)
 
 
 def setup(args) -> None:
+    global _NO_PROGRESS
     torch.set_num_threads(args.threads)
+    _NO_PROGRESS = bool(getattr(args, "no_progress", False))
 
 
 def machine_info(dtype: torch.dtype | None = None) -> dict:
@@ -78,17 +84,23 @@ def timeit(fn, repeats: int = 5, warmup: int = 1) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "repeats": repeats}
 
 
-def timeit_interleaved(fns: dict, repeats: int = 5, warmup: int = 1) -> dict:
+def timeit_interleaved(fns: dict, repeats: int = 5, warmup: int = 1, desc: str | None = None, args=None) -> dict:
     """Like :func:`timeit` for several functions, alternating them within each repeat.
 
     Interleaving spreads slow drifts of machine load (other processes) evenly over the
-    contenders, so their ratios stay meaningful on a shared machine.
+    contenders, so their ratios stay meaningful on a shared machine. With ``desc``, a
+    :func:`progress` bar (``args`` as there) counts the rounds; it advances between timed calls,
+    never inside one.
     """
-    for _ in range(warmup):
+
+    def rounds(n: int, what: str):
+        return range(n) if desc is None else progress(range(n), f"{desc} ({what})", args)
+
+    for _ in rounds(warmup, "warm-up"):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for _ in rounds(repeats, "repeats"):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()

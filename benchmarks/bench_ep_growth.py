@@ -46,7 +46,7 @@ import time
 import numpy as np
 import torch
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc import EPSmoother
 from pyro_smc.infer import gaussian_filter
 from pyro_smc.models import NonlinearGaussianSSM
@@ -170,7 +170,7 @@ def main():
 
     results = {}
     torch.set_grad_enabled(False)
-    for name in args.settings.split(","):
+    for name in progress(args.settings.split(","), "settings", args):
         results[name] = run_setting(name, ssm, data, iterations, args.power, args.damping)
         rows = []
         for method, rec in results[name].items():

@@ -78,7 +78,7 @@ def main():
         for name, projection in (("EP-GPADS (moment_matching)", "moment_matching"), ("EP-GPEKS (linearization)", "linearization")):
             contenders[name, layout] = (lambda ssm=ssm, ys=ys, projection=projection:
                                         EPSmoother(ssm, projection, max_iter=sweeps, tol=1e-12).smooth(ys))
-    timings = timeit_interleaved(contenders, repeats=repeats, warmup=1)
+    timings = timeit_interleaved(contenders, repeats=repeats, warmup=1, desc="rounds", args=args)
     rows, records = [], {}
     for (name, layout), rec in timings.items():
         per_slice = rec["median_s"] / (sweeps * T)

@@ -28,7 +28,7 @@ import time
 import pyro
 import torch
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import OTResampler, SystematicResampler
@@ -56,7 +56,7 @@ def smc_case(device, N: int, B: int, T: int, resampler) -> dict:
     return {"ms_per_step": 1e3 * seconds / T, "peak_mib": peak, "finite": bool(torch.isfinite(smc.log_evidence).all())}
 
 
-def bnn_timing(device, steps: int) -> dict:
+def bnn_timing(device, steps: int, args=None) -> dict:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from bench_bnn_digits import BATCH, ConvBNN, load_data, make_guide
 
@@ -74,7 +74,7 @@ def bnn_timing(device, steps: int) -> dict:
         for _ in range(5):
             svis[name].step(xtr, ytr, BATCH)
     times = {name: [] for name in names}
-    for r in range(steps):
+    for r in progress(range(steps), "conv BNN: rounds", args):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             _sync(device)
             t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def main():
     cases = [(100, 4), (1000, 2)] if args.quick else [(100, 256), (1000, 16), (1000, 256), (10_000, 1), (10_000, 8)]
     T = 5 if args.quick else 20
     rows, smc_results = [], []
-    for N, B in cases:
+    for N, B in progress(cases, "OT-SMC: (N, B)", args):
         entry = {"N": N, "B": B, "T": T}
         for label, resampler in (("systematic", SystematicResampler()), ("ot", OTResampler(epsilon=0.5))):
             pyro.set_rng_seed(0)
@@ -110,7 +110,7 @@ def main():
         smc_results.append(entry)
         rows.append([N, B, entry["systematic"]["ms_per_step"], entry["ot"]["ms_per_step"], entry["ot_over_systematic"], entry["ot"]["peak_mib"]])
     print_table(["N", "filters", "systematic ms/step", "OT ms/step", "OT / systematic", "OT peak MiB"], rows, title=f"OT-SMC on {device}")
-    bnn = bnn_timing(device, 3 if args.quick else 100)
+    bnn = bnn_timing(device, 3 if args.quick else 100, args)
     print_table(["guide", "ms/step", "x AutoNormal"], [[k, v["ms_per_step"], v["x_autonormal"]] for k, v in bnn.items()], title=f"conv BNN on {device}")
     name = "gpu" if device.type == "cuda" else "gpu.cpu"
     write_results(name, {"device": str(device), "smc": smc_results, "bnn_conv": bnn})

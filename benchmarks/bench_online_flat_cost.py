@@ -78,7 +78,7 @@ import pyro
 import torch
 from pyro.infer import SMCFilter
 
-from _common import BootstrapGuide, add_common_args, print_table, setup, write_results
+from _common import BootstrapGuide, add_common_args, print_table, progress, setup, write_results
 from pyro_smc import SMC, OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.models import DiagonalLinearGaussianSSM
@@ -375,6 +375,8 @@ def main():
     ctx = mp.get_context("fork")
     queue = sorted(methods, key=lambda m: m != "vf+learn")
     running = {}
+    # A manual bar (methods finished): the methods run in child processes, two at a time.
+    bar = progress(None, "methods", args, total=len(methods))
     while queue or running:
         while queue and len(running) < max(args.workers, 1):
             method = queue.pop(0)
@@ -393,6 +395,8 @@ def main():
             proc.join()
             results[method]["ratios_to_first"] = ratios(results[method])
             write_results("online_flat_cost", {"protocol": protocol, "settings": settings, "results": results, "finished": False})
+            bar.update()
+    bar.close()
     results = {m: results[m] for m in methods}
 
     goal = {}

@@ -23,7 +23,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import OTResampler, SystematicResampler
@@ -97,10 +97,10 @@ def main():
     ys = simulate(T)
 
     # Warm-up, then interleaved repeats (robust to drifting load on a shared machine).
-    for r in contenders.values():
+    for r in progress(contenders.values(), "warm-up", args):
         one_call(r, ys, B, N)
     samples = {k: {"fwd": [], "bwd": [], "loss": [], "grad": [], "resampled": []} for k in contenders}
-    for _ in range(repeats):
+    for _ in progress(range(repeats), "repeats", args):
         for name, r in contenders.items():
             fwd, bwd, loss, grad, resampled = one_call(r, ys, B, N)
             s = samples[name]

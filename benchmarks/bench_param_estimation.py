@@ -29,7 +29,7 @@ import time
 import pyro
 import torch
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from bench_ot_cost import DiagSSM
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
@@ -146,12 +146,12 @@ def main():
     start = time.perf_counter()
     if args.workers > 1:
         with mp.get_context("fork").Pool(args.workers) as pool:
-            for rec in pool.imap_unordered(one_dataset, jobs):
+            for rec in progress(pool.imap_unordered(one_dataset, jobs), "data sets", args, total=len(jobs)):
                 records.append(rec)
                 print(f"data set {rec['dataset']}: MLE {rec['theta_mle']}, OT {rec['ot']['theta_hat']}, systematic {rec['systematic']['theta_hat']}", flush=True)
                 save(False)
     else:
-        for job in jobs:
+        for job in progress(jobs, "data sets", args):
             rec = one_dataset(job)
             records.append(rec)
             print(f"data set {rec['dataset']}: MLE {rec['theta_mle']}, OT {rec['ot']['theta_hat']}, systematic {rec['systematic']['theta_hat']}", flush=True)

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from _common import add_common_args, print_table, setup, write_results
+from _common import add_common_args, print_table, progress, setup, write_results
 from pyro_smc.ops.sinkhorn import sinkhorn, squared_distances, transport_plan
 
 TOL_GRID = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5, 3e-6, 1e-6]
@@ -180,35 +180,35 @@ def main():
         sizes, batches, epsilons = [25, 100, 500, 1000, 2000], [1, 8, 32], [0.5, 0.1]
 
     rows, records = [], []
-    for eps in epsilons:
-        for n in sizes:
-            for b in batches:
-                rec = {"epsilon": eps, "N": n, "B": b}
-                if b * n * n > args.max_elements:
-                    rec["skipped"] = f"B*N^2 = {b * n * n:.0e} > {args.max_elements:.0e} (too long for this machine)"
-                    records.append(rec)
-                    rows.append([eps, n, b, "skip", "", "", "", "", "", "", "", ""])
-                    continue
-                work = b * n * n
-                repeats = 2 if args.quick else (5 if work <= 1e6 else 3)
-                seed = 1000 * n + b
-                t = in_child(_child_time, n, b, eps, seed, repeats)
-                if "error" in t:
-                    raise RuntimeError(t["error"])
-                m_ours = in_child(_child_memory, "ours", n, b, eps, None, seed)
-                m_pot = in_child(_child_memory, "pot", n, b, eps, t["pot_tol"], seed)
-                rec.update(t)
-                rec["ours_peak_mb"] = m_ours.get("peak_mb")
-                rec["pot_peak_mb"] = m_pot.get("peak_mb")
-                rec["memory_method"] = m_ours.get("method")
-                rec["time_ratio_ours_over_pot"] = t["ours_s"] / t["pot_s"]
-                records.append(rec)
-                mem_ratio = rec["ours_peak_mb"] / rec["pot_peak_mb"] if rec["pot_peak_mb"] else float("nan")
-                nxt = t["pot_next_tol"]
-                rows.append(
-                    [eps, n, b, 1e3 * t["ours_s"], 1e3 * t["pot_s"], rec["time_ratio_ours_over_pot"], t["err_ours"], t["err_pot"], t["pot_tol"], f"{1e3 * nxt['seconds']:.1f}" if nxt else "-", f"{rec['ours_peak_mb']:.1f}/{rec['pot_peak_mb']:.1f}", mem_ratio]
-                )
-                print(f"  eps={eps} N={n} B={b}: ours {1e3 * t['ours_s']:.2f} ms, POT {1e3 * t['pot_s']:.2f} ms", flush=True)
+    # One bar over every (eps, N, B): eps outermost, B innermost.
+    configs = [(eps, n, b) for eps in epsilons for n in sizes for b in batches]
+    for eps, n, b in progress(configs, "configurations", args):
+        rec = {"epsilon": eps, "N": n, "B": b}
+        if b * n * n > args.max_elements:
+            rec["skipped"] = f"B*N^2 = {b * n * n:.0e} > {args.max_elements:.0e} (too long for this machine)"
+            records.append(rec)
+            rows.append([eps, n, b, "skip", "", "", "", "", "", "", "", ""])
+            continue
+        work = b * n * n
+        repeats = 2 if args.quick else (5 if work <= 1e6 else 3)
+        seed = 1000 * n + b
+        t = in_child(_child_time, n, b, eps, seed, repeats)
+        if "error" in t:
+            raise RuntimeError(t["error"])
+        m_ours = in_child(_child_memory, "ours", n, b, eps, None, seed)
+        m_pot = in_child(_child_memory, "pot", n, b, eps, t["pot_tol"], seed)
+        rec.update(t)
+        rec["ours_peak_mb"] = m_ours.get("peak_mb")
+        rec["pot_peak_mb"] = m_pot.get("peak_mb")
+        rec["memory_method"] = m_ours.get("method")
+        rec["time_ratio_ours_over_pot"] = t["ours_s"] / t["pot_s"]
+        records.append(rec)
+        mem_ratio = rec["ours_peak_mb"] / rec["pot_peak_mb"] if rec["pot_peak_mb"] else float("nan")
+        nxt = t["pot_next_tol"]
+        rows.append(
+            [eps, n, b, 1e3 * t["ours_s"], 1e3 * t["pot_s"], rec["time_ratio_ours_over_pot"], t["err_ours"], t["err_pot"], t["pot_tol"], f"{1e3 * nxt['seconds']:.1f}" if nxt else "-", f"{rec['ours_peak_mb']:.1f}/{rec['pot_peak_mb']:.1f}", mem_ratio]
+        )
+        print(f"  eps={eps} N={n} B={b}: ours {1e3 * t['ours_s']:.2f} ms, POT {1e3 * t['pot_s']:.2f} ms", flush=True)
 
     print_table(
         ["eps", "N", "B", "ours ms", "POT ms", "time ratio", "err ours", "err POT", "POT tol", "POT ms @next tol", "peak MB ours/POT", "mem ratio"],

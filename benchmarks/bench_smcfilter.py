@@ -25,7 +25,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer import SMCFilter
 
-from _common import add_common_args, print_table, setup, timeit_interleaved, write_results
+from _common import add_common_args, print_table, progress, setup, timeit_interleaved, write_results
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import SystematicResampler
@@ -89,7 +89,7 @@ def main():
     guide = BootstrapGuide(ssm)
 
     rows, records = [], []
-    for n in particles:
+    for n in progress(particles, "particle counts", args):
         timings = timeit_interleaved(
             {
                 "smcfilter": lambda n=n: run_smcfilter(ssm, guide, ys, n),
