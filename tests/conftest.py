@@ -1,4 +1,4 @@
-"""Shared test configuration: float64 by default, fixed seeds, ``--device``, ``--runslow``."""
+"""Shared test configuration: float64 by default, fixed seeds, ``--device``."""
 
 import pyro
 import pytest
@@ -12,16 +12,6 @@ torch.set_num_threads(1)
 
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="torch device for tests that accept one (cpu, cuda)")
-    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="slow: pass --runslow to run")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

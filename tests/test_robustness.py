@@ -386,7 +386,6 @@ def _one_step_log_evidence_variance(ssm, ys, kf, num_particles):
     return float(torch.expm1(log_ratio).sum()) / num_particles
 
 
-@pytest.mark.slow
 def test_smc_log_evidence_at_T_1e4():
     """T = 10^4, N = 100, five independent filters (seeds 0-4 in one vectorised run), resampling at
     every step. With V the first-order variance above (the per-step chi^2 over N, summed: the
@@ -411,7 +410,6 @@ def test_smc_log_evidence_at_T_1e4():
     assert float(gap.mean()) < 0  # Jensen: E[log Z_hat] < log Z
 
 
-@pytest.mark.slow
 def test_kalman_rts_and_ep_smoother_at_T_1e4():
     ssm = _ar1()
     _, ys = ssm.simulate(10_000, generator=torch.Generator().manual_seed(1))
@@ -423,7 +421,6 @@ def test_kalman_rts_and_ep_smoother_at_T_1e4():
     assert torch.allclose(out.covariances, rts.covariances, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.slow
 def test_kalman_float32_at_T_1e4():
     ssm32 = _ar1(torch.float32)
     _, ys = _ar1().simulate(10_000, generator=torch.Generator().manual_seed(2))
@@ -435,7 +432,6 @@ def test_kalman_float32_at_T_1e4():
     assert (kf32.means.double() - kf64.means).abs().max() < 1e-4
 
 
-@pytest.mark.slow
 def test_online_filter_long_stream_stays_finite():
     """T = 10^3 with one optimisation step per observation: the carried state stays finite and the
     last filtering mean is within one posterior sd of Kalman's."""
