@@ -45,7 +45,9 @@ SCRIPT = textwrap.dedent(
             torch.save(runner.state_dict(), ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)  # atomic: a kill never leaves half a checkpoint
         if slow:
-            time.sleep(0.3)  # give the parent time to kill us mid-stream
+            # Give the parent time to kill us mid-stream; from t = 6 on wait for it however loaded
+            # the machine is, so the stream can never finish first.
+            time.sleep(0.3 if t < 6 else 600)
     if engine == "smc":
         out = {"log_evidence": runner.log_evidence, "means": runner.filtering_means["x"], "state": runner.state["x"]}
     else:
@@ -66,14 +68,16 @@ def test_killed_stream_resumes_bit_identically(engine, tmp_path):
     killed = _run(tmp_path, engine, "killed")
     ckpt = tmp_path / f"{engine}.pt"
     deadline = time.time() + 300
-    # Kill once a checkpoint from the middle of the stream exists.
-    while time.time() < deadline and killed.poll() is None:
-        if ckpt.exists() and torch.load(ckpt, weights_only=False)["t"] >= 4:
-            break
-        time.sleep(0.05)
-    assert killed.poll() is None, "the stream finished before it could be killed"
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
+    try:
+        # Kill once a checkpoint from the middle of the stream exists.
+        while time.time() < deadline and killed.poll() is None:
+            if ckpt.exists() and torch.load(ckpt, weights_only=False)["t"] >= 4:
+                break
+            time.sleep(0.05)
+        assert killed.poll() is None, "the stream finished before it could be killed"
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
     t_killed = torch.load(ckpt, weights_only=False)["t"]
     assert 4 <= t_killed < 12
     assert _run(tmp_path, engine, "resume").wait(timeout=300) == 0

@@ -67,7 +67,14 @@ def _launch(tmp_path, case, world, tag, *extra, ranks=None):
     script.write_text(WORKER)
     ranks = range(world) if ranks is None else ranks
     procs = [subprocess.Popen([sys.executable, str(script), case, str(r), str(world), str(tmp_path), tag, *extra]) for r in ranks]
-    assert all(p.wait(timeout=300) == 0 for p in procs)
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:  # a failed rank leaves the others blocked in a collective
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0] * len(procs), f"exit codes of ranks {list(ranks)}: {codes}"
     return torch.load(tmp_path / f"{tag}.pt")
 
 
