@@ -12,7 +12,10 @@ Every latent site whose value is a matrix (event dim >= 2; convolution kernels
 
 at ``np + n(n+1)/2 + p(p+1)/2`` parameters (plus the flows' ``O(n^2 + p^2)``) instead of the
 ``O(n^2 p^2)`` of a full Gaussian. Every other site gets a diagonal normal in the unconstrained
-space, as ``AutoNormal``. The ``"diag"`` and ``"linear"`` matrix posteriors are
+space, as ``AutoNormal``. A triangular factor is stored as ``L = D (I + N)``: the logs of the
+diagonal ``D`` and the strictly lower ``N`` *relative to its row's scale*, so that optimiser steps
+(Adam moves every coordinate by about ``lr``) change correlations by a fixed fraction instead of
+by a fixed amount that swamps a diagonal which has shrunk during training. The ``"diag"`` and ``"linear"`` matrix posteriors are
 :class:`pyro_smc.distributions.MatrixNormal` s, so ``TraceMeanField_ELBO`` uses their closed-form
 KL to the usual ``Normal`` priors.
 
@@ -51,10 +54,10 @@ from torch.distributions.transforms import ReshapeTransform, Transform
 
 from pyro_smc.distributions import MatrixNormal
 from pyro_smc.guides.matrix_transforms import kronecker_nonlinear
-from pyro_smc.ops.gaussian import tril_from_vector
+from pyro_smc.ops.gaussian import tril_from_vector, tril_to_vector
 from pyro_smc.ops.kronecker import kron_logdet
 
-__all__ = ["KINDS", "AutoKroneckerFlow"]
+__all__ = ["KINDS", "AutoKroneckerFlow", "factor_from_params", "params_from_factor"]
 
 KINDS = ("diag", "linear", "nonlinear")
 
@@ -62,6 +65,30 @@ KINDS = ("diag", "linear", "nonlinear")
 def _tril_init(size: int, scale: float, like: Tensor) -> Tensor:
     rows, cols = torch.tril_indices(size, size, device=like.device)
     return torch.where(rows == cols, math.log(scale), 0.0).to(like.dtype)
+
+
+def factor_from_params(params: Tensor, size: int) -> Tensor:
+    """The triangular factor ``L = D (I + N)`` of a ``"linear"``/``"nonlinear"`` guide.
+
+    Args:
+        params: ``(..., size (size + 1) / 2)`` free numbers in ``torch.tril_indices`` order: the
+            log of ``D`` on the diagonal, ``N`` (relative to the row's scale) below it.
+        size: the factor's size ``n``.
+
+    Returns:
+        ``(..., n, n)`` lower triangular with positive diagonal.
+    """
+    raw = tril_from_vector(params, size)
+    scale = raw.diagonal(dim1=-2, dim2=-1)
+    return raw.tril(-1) * scale.unsqueeze(-1) + torch.diag_embed(scale)
+
+
+def params_from_factor(factor: Tensor) -> Tensor:
+    """The inverse of :func:`factor_from_params` (to set a guide to a known posterior)."""
+    scale = factor.diagonal(dim1=-2, dim2=-1)
+    if not bool((scale.detach() > 0).all()):
+        raise ValueError("factor must have a positive diagonal")
+    return tril_to_vector(factor.tril(-1) / scale.unsqueeze(-1) + torch.diag_embed(scale))
 
 
 class _KroneckerAffine(Transform):
@@ -161,7 +188,7 @@ class AutoKroneckerFlow(AutoGuide):
         row, col = getattr(self.scales, key + "_row"), getattr(self.scales, key + "_col")
         if self.kind == "diag":
             return torch.diag_embed(row), torch.diag_embed(col)
-        return tril_from_vector(row, n), tril_from_vector(col, p)
+        return factor_from_params(row, n), factor_from_params(col, p)
 
     def _posterior(self, name: str, site) -> dist.Distribution:
         """The guide's distribution of the unconstrained value of ``name``."""

@@ -8,6 +8,7 @@ import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
 
 from pyro_smc.guides import AutoKroneckerFlow
+from pyro_smc.guides.kronecker_flow import factor_from_params, params_from_factor
 
 KINDS = ["diag", "linear", "nonlinear"]
 SIGMA = 0.3
@@ -86,13 +87,10 @@ def test_linear_guide_at_the_exact_posterior_gives_the_exact_evidence():
     chol = torch.linalg.cholesky(cov)
     guide = AutoKroneckerFlow(known_noise_regression, kind="linear")
     guide(x, y)
-    rows, cols = torch.tril_indices(3, 3)
     with torch.no_grad():
         guide.locs.w.copy_(mean)
-        raw = chol[rows, cols].clone()
-        raw[rows == cols] = raw[rows == cols].log()
-        guide.scales.w_row.copy_(raw)
-        guide.scales.w_col.zero_()
+        guide.scales.w_row.copy_(params_from_factor(chol))
+        guide.scales.w_col.copy_(params_from_factor(torch.eye(2)))
     log_evidence = _exact_log_evidence(x, y)
     elbos = [-Trace_ELBO().loss(known_noise_regression, guide, x, y) for _ in range(5)]
     assert all(abs(e - log_evidence) < 1e-8 for e in elbos)
@@ -238,3 +236,18 @@ def test_init_loc_fn_sets_the_locations(kind):
     median = guide.median()
     torch.testing.assert_close(median["w"].detach(), values["w"])
     torch.testing.assert_close(median["b"].detach(), values["b"])
+
+
+def test_factor_parameterisation_is_row_scaled_and_invertible():
+    """L = D (I + N): the stored off-diagonals are relative to their row's diagonal."""
+    g = torch.Generator().manual_seed(0)
+    params = torch.randn(2, 10, generator=g)
+    factor = factor_from_params(params, 4)
+    rows, cols = torch.tril_indices(4, 4)
+    diag = params[..., rows == cols].exp()
+    expected = torch.zeros(2, 4, 4)
+    expected[..., rows, cols] = torch.where(rows == cols, diag[..., rows], params * diag[..., rows])
+    torch.testing.assert_close(factor, expected)
+    torch.testing.assert_close(params_from_factor(factor), params)
+    with pytest.raises(ValueError, match="positive diagonal"):
+        params_from_factor(-torch.eye(3))
