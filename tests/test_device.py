@@ -28,6 +28,7 @@ from pyro_smc.guides import AutoKroneckerFlow, StreamingFilterGuide
 from pyro_smc.infer import gaussian_smoothers
 from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, LinearGaussianSSM, NonlinearGaussianSSM
 from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
+from tests.guides.test_streaming import _trajectory_model
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -226,16 +227,6 @@ def test_online_filter_with_parameter_learning(opts, regressor):
         vf.step(ys[-1])
     assert torch.isfinite(vf.elbo) and _on(vf.elbo, opts)
     assert _on(model.transition_diag, opts) and torch.isfinite(model.transition_diag).all()
-
-
-def _trajectory_model(ssm):
-    def model(ys):
-        state = {}
-        ssm.init(state)
-        for y in ys:
-            ssm.step(state, y)
-
-    return model
 
 
 def test_streaming_guide_offline_under_svi(opts):
