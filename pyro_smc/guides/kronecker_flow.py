@@ -15,9 +15,9 @@ at ``np + n(n+1)/2 + p(p+1)/2`` parameters (plus the flows' ``O(n^2 + p^2)``) in
 space, as ``AutoNormal``. A triangular factor is stored as ``L = D (I + N)``: the logs of the
 diagonal ``D`` and the strictly lower ``N`` *relative to its row's scale*, so that optimiser steps
 (Adam moves every coordinate by about ``lr``) change correlations by a fixed fraction instead of
-by a fixed amount that swamps a diagonal which has shrunk during training. The ``"diag"`` and ``"linear"`` matrix posteriors are
-:class:`pyro_smc.distributions.MatrixNormal` s, so ``TraceMeanField_ELBO`` uses their closed-form
-KL to the usual ``Normal`` priors.
+by a fixed amount that swamps a diagonal which has shrunk during training. The ``"diag"`` and
+``"linear"`` matrix posteriors are :class:`pyro_smc.distributions.MatrixNormal` s, so
+``TraceMeanField_ELBO`` uses their closed-form KL to the usual ``Normal`` priors.
 
 Example:
     >>> import torch, pyro, pyro.distributions as dist
