@@ -284,14 +284,14 @@ def test_state_dict_resume_is_bit_identical(learn, tmp_path):
 
 @pytest.mark.parametrize("n", [4, 64])  # more parameters than samples, and fewer
 def test_per_sample_gradients_match_a_loop(n):
-    from pyro_smc.infer.online import _per_sample_gradients
+    from pyro_smc.ops.jacobian import per_sample_gradients
 
     torch.manual_seed(0)
     a, c, unused = (torch.randn(k, dtype=torch.float64, requires_grad=True) for k in (5, 5, 3))
     x0, x1 = torch.randn(n, 5, dtype=torch.float64), torch.randn(n, 5, dtype=torch.float64)
     values = dist.Normal(x0 * a, 0.1).log_prob(x1).sum(-1) + dist.Normal(x1 * c.exp(), 0.3).log_prob(torch.ones(5)).sum(-1)
     expected = torch.stack([torch.cat([*torch.autograd.grad(values[i], [a, c], retain_graph=True), torch.zeros(3, dtype=a.dtype)]) for i in range(n)])
-    got = _per_sample_gradients(values, [a, c, unused])
+    got = per_sample_gradients(values, [a, c, unused])
     torch.testing.assert_close(got, expected)
 
 
