@@ -30,7 +30,7 @@ from pyro_smc.guides import AutoKroneckerFlow, StreamingFilterGuide
 from pyro_smc.infer import gaussian_smoothers
 from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, LinearGaussianSSM, NonlinearGaussianSSM
 from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
-from tests.guides.test_streaming import _trajectory_model
+from tests.guides.test_streaming import _set_exact_smoother, _trajectory_model
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -242,6 +242,12 @@ def test_streaming_guide_offline_under_svi(opts):
         joint = guide.joint_distribution()
     assert all(math.isfinite(v) for v in losses)
     assert _on(means, opts) and _on(covs, opts) and _on(joint.loc, opts)
+    # At the exact smoother every draw's log p(y, x) - log q(x) is the log evidence.
+    with torch.no_grad():
+        _set_exact_smoother(guide, lin, ys)
+    with strict(opts):
+        elbo = -Trace_ELBO().loss(_trajectory_model(lin), guide, ys)
+    assert abs(elbo - float(lin.log_evidence(ys))) < _tol(opts) * (1 + abs(elbo)), (elbo, float(lin.log_evidence(ys)))
 
 
 def test_chaotic_rnn_under_smc(opts):
