@@ -64,6 +64,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pyro_smc.guides.streaming import GaussianKernel, StreamingFilterGuide, _gaussian
+from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
 from pyro_smc.ops.jacobian import per_sample_gradients
 from pyro_smc.ops.laplace import jittered, laplace_newton, regression_kernel
 from pyro_smc.regression import QuadraticRegressor, Regressor, make_regressor
@@ -274,9 +275,8 @@ class OnlineVariationalFilter:
             "state": dict(self._state),
             "state_key": self._state_key,
             "obs_shape": self._obs_shape,
-            "model_attributes": {k: v for k, v in vars(self.model).items() if isinstance(v, (bool, int, float, str, Tensor))},
-            "rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+            "model_attributes": plain_attributes(self.model),
+            **rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any], restore_rng: bool = True) -> None:
@@ -308,11 +308,9 @@ class OnlineVariationalFilter:
         self._state = dict(state["state"])
         self._state_key = state["state_key"]
         self._obs_shape = state["obs_shape"]
-        vars(self.model).update(state["model_attributes"])
+        restore_attributes(self.model, state["model_attributes"])
         if restore_rng:
-            torch.set_rng_state(state["rng_state"])
-            if state.get("cuda_rng_state") is not None:
-                torch.cuda.set_rng_state_all(state["cuda_rng_state"])
+            set_rng_state(state)
 
     def _register_model_params(self) -> None:
         """Reads every ``PyroParam`` / ``nn.Parameter`` of a ``PyroModule`` model inside its context,

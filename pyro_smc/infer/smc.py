@@ -57,6 +57,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import SystematicResampler
 
@@ -259,9 +260,6 @@ class SMC:
         def detached(x):
             return None if x is None else x.detach().clone()
 
-        def plain(obj):
-            return None if obj is None else {k: v for k, v in vars(obj).items() if isinstance(v, (bool, int, float, str, Tensor))}
-
         return {
             "t": self._t,
             "initialized": self._initialized,
@@ -273,10 +271,9 @@ class SMC:
             "means": {k: [v.detach().clone() for v in values] for k, values in self._means.items()},
             "ess_history": [v.clone() for v in self._ess_history],
             "resampled": [v.clone() for v in self._resampled],
-            "model_attributes": plain(self.model),
-            "guide_attributes": plain(self.guide),
-            "rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+            "model_attributes": plain_attributes(self.model),
+            "guide_attributes": plain_attributes(self.guide),
+            **rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any], restore_rng: bool = True) -> None:
@@ -292,13 +289,10 @@ class SMC:
         self._means = {k: list(v) for k, v in state["means"].items()}
         self._ess_history = list(state["ess_history"])
         self._resampled = list(state["resampled"])
-        for obj, attrs in ((self.model, state["model_attributes"]), (self.guide, state["guide_attributes"])):
-            if obj is not None and attrs:
-                vars(obj).update(attrs)
+        restore_attributes(self.model, state["model_attributes"])
+        restore_attributes(self.guide, state["guide_attributes"])
         if restore_rng:
-            torch.set_rng_state(state["rng_state"])
-            if state.get("cuda_rng_state") is not None:
-                torch.cuda.set_rng_state_all(state["cuda_rng_state"])
+            set_rng_state(state)
 
     # --- one step -----------------------------------------------------------------------------
     def _propagate(self, model_fn, guide_fn, args, kwargs, where: str) -> None:

@@ -26,12 +26,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from pyro_smc.ops.gaussian import symmetrize
+
 __all__ = ["jittered", "laplace_newton", "regression_kernel"]
 
 
 def jittered(cov: Tensor) -> Tensor:
     """``(cov + cov^T) / 2`` plus ``1e-6`` times its mean absolute diagonal on the diagonal ``(d, d)``."""
-    cov = 0.5 * (cov + cov.transpose(-1, -2))
+    cov = symmetrize(cov)
     scale = cov.diagonal().abs().mean().clamp_min(torch.finfo(cov.dtype).tiny)
     return cov + 1e-6 * scale * torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
 
