@@ -171,6 +171,18 @@ def _relaxation(rate: Tensor) -> Tensor:
     return (2 / (1 + (1 - rate).sqrt())).clamp(1, _MAX_OMEGA).unsqueeze(-1)
 
 
+def _pinned_reciprocal(sums: Tensor, pinned: Tensor | None) -> Tensor:
+    """``1 / sums``, with the scalings of zero-mass points (``pinned``) fixed at 1.
+
+    The mask goes on the input, not the output: ``where(pinned, 1, 1 / sums)`` would still send
+    a zero gradient into ``1 / 0``, and ``0 * inf`` made every unrolled gradient NaN as soon as
+    one particle's weight underflowed.
+    """
+    if pinned is None:
+        return 1 / sums
+    return 1 / torch.where(pinned, torch.ones_like(sums), sums)
+
+
 def _log_domain_update(
     cost: Tensor, f: Tensor, g: Tensor, log_a: Tensor, log_b: Tensor, eps: float, a_zero: Tensor | None, b_zero: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -212,6 +224,7 @@ def _solve_loop(
     cost = cost.reshape(-1, n, m)
     log_a = log_a.expand(batch_shape + (n,)).reshape(-1, n)
     log_b = log_b.expand(batch_shape + (m,)).reshape(-1, m)
+    problem = (cost, log_a, log_b)  # uncompacted, for the zero-mass completion at the end
     f = torch.zeros_like(log_a)
     g = torch.zeros_like(log_b)
     schedule = _epsilon_schedule(cost, epsilon, scaling)
@@ -244,9 +257,7 @@ def _solve_loop(
         f, g, kernel = _log_domain_update(cost, f, g, log_a, log_b, eps, a_zero if pin_a else None, b_zero if pin_b else None)
         u = torch.ones_like(a)
     else:
-        u = 1 / row_sums
-        if pin_a:
-            u = torch.where(a_zero, torch.ones_like(u), u)
+        u = _pinned_reciprocal(row_sums, a_zero if pin_a else None)
     v = torch.ones_like(b)
     f_out, g_out = f, g
     active = None  # indices of the working set in the batch, once compacted
@@ -255,16 +266,12 @@ def _solve_loop(
     while iters < max_iter:
         iters += 1
         u_prev, v_prev = u, v
-        v = 1 / _colsum(kernel, a * u)
-        if pin_b:
-            v = torch.where(b_zero, torch.ones_like(v), v)
+        v = _pinned_reciprocal(_colsum(kernel, a * u), b_zero if pin_b else None)
         if omega is not None:
             v = v_prev.pow(1 - omega) * v.pow(omega)
         kv = _rowsum(kernel, b * v)
         err = (a * (u * kv - 1).abs()).sum(-1)
-        u_exact = 1 / kv
-        if pin_a:
-            u_exact = torch.where(a_zero, torch.ones_like(u_exact), u_exact)
+        u_exact = _pinned_reciprocal(kv, a_zero if pin_a else None)
         if iters == _PLAIN_ITERS and _MAX_OMEGA > 1:
             omega = _relaxation(err.detach() / err_prev.detach())
         err_prev = err
@@ -307,7 +314,116 @@ def _solve_loop(
     if active is not None:
         f_out[active], g_out[active] = f, g
         f, g = f_out, g_out
+    if pin_a or pin_b:
+        f, g = _complete_zero_mass(*problem, f, g, eps)
     return f.reshape(batch_shape + (n,)), g.reshape(batch_shape + (m,)), iters
+
+
+def _complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Gives points whose mass underflowed to zero their true potentials, the c-transforms
+    ``g_j = -eps log sum_i a_i exp((f_i - C_ij) / eps)`` (and the same for ``f``).
+
+    The iterations pin such points' scalings to 1 (their marginals are empty, and 0 * inf would
+    turn errors into NaN), which leaves their potentials at whatever was last absorbed. That is
+    harmless for the plan while ``b_j`` is exactly zero, but a finite ``log b_j`` below the
+    dtype's range (about -104 in float32, -745 in float64) still enters every kernel built in
+    log space, ``P_ij = exp(log a_i + log b_j + (f_i + g_j - C_ij) / eps)``: with a stale
+    ``g_j`` that column was off by ``exp((g_true_j - g_j) / eps)``, which in float32 on sharp
+    likelihoods reached 1e29 and made the adjoint system indefinite (gradients of 1e13 to 1e21).
+    The c-transform is the potential the fixed point extends to those points, so every column
+    of the plan then sums to its (underflowing) mass.
+    """
+    a_zero, b_zero = log_a.exp() == 0, log_b.exp() == 0
+    if bool(b_zero.any()):
+        g = torch.where(b_zero, -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2), g)
+    if bool(a_zero.any()):
+        f = torch.where(a_zero, -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1), f)
+    return f, g
+
+
+class _SoftMin(torch.autograd.Function):
+    """``-eps logsumexp((pot - C) / eps + log_w)`` over the points of ``pot`` (one c-transform).
+
+    Autograd through ``torch.logsumexp`` would store an ``N x M`` tensor per call; this keeps
+    only the vectors and recomputes the softmax in the backward pass, so an unrolled loop holds
+    one cost matrix plus ``O(N + M)`` per iteration.
+    """
+
+    @staticmethod
+    def forward(ctx, cost, pot, log_w, eps, rows):
+        # rows=True: pot lives on the rows (dim -2) and the result on the columns.
+        z = _soft_min_logits(cost, pot, log_w, eps, rows)
+        out = -eps * torch.logsumexp(z, dim=-2 if rows else -1)
+        ctx.save_for_backward(cost, pot, log_w, out)
+        ctx.eps, ctx.rows = eps, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cost, pot, log_w, out = ctx.saved_tensors
+        eps, rows = ctx.eps, ctx.rows
+        reduce_dim, keep_dim = (-2, -1) if rows else (-1, -2)
+        # softmax over the reduced points, times the incoming gradient of each result entry.
+        weights = torch.exp(_soft_min_logits(cost, pot, log_w, eps, rows) + (out / eps).unsqueeze(reduce_dim))
+        weights = weights * grad_out.unsqueeze(reduce_dim)
+        grad_cost = weights if ctx.needs_input_grad[0] else None
+        grad_pot = -weights.sum(keep_dim)
+        grad_log_w = eps * grad_pot if ctx.needs_input_grad[2] else None
+        return grad_cost, grad_pot, grad_log_w, None, None
+
+
+def _soft_min_logits(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
+    if rows:
+        return (pot.unsqueeze(-1) - cost) / eps + log_w.unsqueeze(-1)
+    return (pot.unsqueeze(-2) - cost) / eps + log_w.unsqueeze(-2)
+
+
+def _c_transforms(cost: Tensor, log_a: Tensor, log_b: Tensor, eps: float):
+    """The two exact log-domain soft-min maps, ``g(f)`` and ``f(g)``."""
+
+    def g_of(f: Tensor) -> Tensor:
+        return _SoftMin.apply(cost, f, log_a, eps, True)
+
+    def f_of(g: Tensor) -> Tensor:
+        return _SoftMin.apply(cost, g, log_b, eps, False)
+
+    return g_of, f_of
+
+
+def _unrolled_log_loop(
+    cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, scaling: float, threshold: float, max_iter: int
+) -> tuple[Tensor, Tensor]:
+    """Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
+
+    The fast loop of :func:`_solve_loop` works on scalings ``u = 1 / (K v)``, whose derivative
+    ``-1 / (K v)^2`` overflows (float32: as soon as a row's kernel sum falls below 1e-19) and then
+    meets the kernel's zeros as ``inf * 0 = NaN``: sharp likelihoods made every unrolled gradient
+    NaN. Log-sum-exp updates differentiate into softmaxes, which are bounded, and need no
+    special case for particles whose weight underflows. Each iteration costs two ``N x M``
+    exponentials instead of two mat-vecs, which is the price of this (small-problem) mode.
+
+    The column error needs no extra pass: after ``f = f(g)`` the plan's columns sum to
+    ``b_j exp((g_j - g(f)_j) / eps)``, and ``g(f)`` is the next iteration's update anyway.
+    """
+    batch_shape = torch.broadcast_shapes(cost.shape[:-2], log_a.shape[:-1], log_b.shape[:-1])
+    log_a = log_a.expand(batch_shape + log_a.shape[-1:])
+    log_b = log_b.expand(batch_shape + log_b.shape[-1:])
+    f = torch.zeros_like(log_a)
+    g = torch.zeros_like(log_b)
+    for eps in _epsilon_schedule(cost, epsilon, scaling):
+        g_of, f_of = _c_transforms(cost, log_a, log_b, eps)
+        f, g = (f + f_of(g)) / 2, (g + g_of(f)) / 2
+    g_of, f_of = _c_transforms(cost, log_a, log_b, epsilon)
+    g = g_of(f)
+    for _ in range(max_iter):
+        f = f_of(g)
+        g_next = g_of(f)
+        with torch.no_grad():
+            err = (log_b.exp() * torch.expm1((g - g_next) / epsilon).abs()).sum(-1)
+        if bool((err < threshold).all()):
+            break
+        g = g_next
+    return f, g
 
 
 def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> Tensor:
@@ -479,8 +595,7 @@ def sinkhorn(
     if gradient == "implicit":
         return _ImplicitSinkhorn.apply(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
     if gradient == "unroll":
-        f, g, _ = _solve_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
-        return f, g
+        return _unrolled_log_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
     with torch.no_grad():
         f, g, _ = _solve_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
     # One differentiable row update from the detached g: the plan's rows are exact and its
