@@ -66,6 +66,7 @@ from torch import Tensor
 
 __all__ = [
     "GRADIENT_MODES",
+    "SinkhornConvergenceWarning",
     "squared_distances",
     "sinkhorn",
     "transport_plan",
@@ -74,6 +75,11 @@ __all__ = [
 ]
 
 GRADIENT_MODES = ("implicit", "unroll", "last_step")
+
+
+class SinkhornConvergenceWarning(UserWarning):
+    """Sinkhorn stopped at ``max_iter`` with a marginal error above ``threshold``: the plan, and
+    the gradients implied by it, are inaccurate. Raise ``max_iter`` or ``epsilon``."""
 
 # Above this many target points the adjoint system is solved by conjugate gradients
 # instead of a dense factorisation (O(M^2) per iteration instead of O(M^3) once).
