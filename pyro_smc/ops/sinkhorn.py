@@ -60,6 +60,7 @@ References:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -86,6 +87,8 @@ class SinkhornConvergenceWarning(UserWarning):
 _DENSE_SOLVE_MAX = 512
 # Conjugate-gradient steps tried before a small adjoint system is handed to the dense solve.
 _CG_STEPS_BEFORE_DENSE = 25
+# Relative residual of the adjoint solve above which its gradient is reported as unreliable.
+_ADJOINT_RESIDUAL_WARN = 1e-2
 
 
 def squared_distances(x: Tensor, y: Tensor) -> Tensor:
@@ -486,6 +489,18 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
         else:
             sol = torch.linalg.solve(mat, rhs[left].unsqueeze(-1)).squeeze(-1)
         x = x.index_put((left.nonzero().squeeze(-1),), sol)
+    # The system is only as well posed as the forward solve was accurate: far from the fixed
+    # point K's top singular value leaves 1 and the matrix can lose definiteness. Check the
+    # answer rather than trust it (one more pair of mat-vecs).
+    residual = (matvec(x) - rhs).norm(dim=-1) / rhs.norm(dim=-1).clamp_min(tiny)
+    worst = float(residual.max()) if residual.numel() else 0.0
+    if not worst < _ADJOINT_RESIDUAL_WARN:
+        warnings.warn(
+            f"sinkhorn: the implicit-gradient (adjoint) solve left a relative residual of {worst:.3g}; the forward "
+            "solve is probably not converged (raise max_iter, lower threshold or raise epsilon), so its gradient is unreliable",
+            SinkhornConvergenceWarning,
+            stacklevel=2,
+        )
     return x
 
 
