@@ -13,7 +13,9 @@ its leading dimensions are independent filters. Each state tensor has shape
   through the choice of ancestors, so the resampling terms of the score are dropped.
 * :class:`SoftResampler`: Karkus et al. (2018); keeps part of the weight gradient.
 * :class:`OTResampler`: the differentiable ensemble transform of Corenflos et al. (2021), an
-  entropy-regularised optimal-transport map that is smooth in particles and weights.
+  entropy-regularised optimal-transport map that is smooth in particles and weights. Integer
+  state (e.g. a regime label) is not averaged: it comes from one ancestor per new particle,
+  drawn from that particle's row of the transport plan.
 
 Example:
     >>> import torch
@@ -137,10 +139,24 @@ class OTResampler(Resampler):
     """Differentiable ensemble transform by entropy-regularised optimal transport.
 
     All floating-point state tensors are flattened per particle and concatenated into one point
-    cloud, transported jointly with the scale normalisation of Corenflos et al. (2021), and
-    split back. Integer state tensors cannot be averaged: each takes the value of the
-    particle's most likely ancestor under the plan (not differentiable). Weighted means are
-    preserved; the output is equally weighted.
+    cloud, transported jointly with the scale normalisation of Corenflos et al. (2021) by the
+    barycentric map ``x~_i = sum_j P_ij x_j / sum_j P_ij`` of the entropic plan ``P``, and
+    split back (differentiably). Weighted means are preserved (up to the plan's marginal
+    error); the output is equally weighted.
+
+    Integer (and other non-floating) state tensors, e.g. a discrete regime label, cannot be
+    averaged. Each new particle ``i`` instead draws one ancestor ``A_i ~ Categorical(N P_i.)``
+    from its row of the (detached) plan, independently across particles, and every
+    non-floating tensor takes its value from that ancestor, so labels of one particle stay
+    consistent with each other. The rows of ``P`` sum to ``1/N`` and its columns to the
+    weights, so ``P(A_i = j)`` averaged over ``i`` is ``w_j``: the weighted distribution of
+    the labels is kept in expectation (up to the marginal error, below ``threshold``). The
+    draws are independent, so the variance of a label count is ``sum_i p_i (1 - p_i)`` with
+    ``p_i = N sum_{j: z_j = 1} P_ij`` the row's share of the label: at most that of
+    multinomial resampling (Jensen), less where the plan is sharp, but typically more than
+    systematic resampling's. Particles of zero weight are never drawn. This part is random
+    and not differentiable, and a new particle pairs ``x~_i`` with the label of one of the
+    particles averaged into it, not of a particle at ``x~_i``.
 
     Args:
         epsilon: regularisation on the normalised cost scale, ``> 0``; smaller is closer to
@@ -186,5 +202,20 @@ class OTResampler(Resampler):
             start += width
         others = {k: v for k, v in particles.items() if k not in floats}
         if others:
-            out.update(_gather(others, plan.detach().argmax(-1)))
+            out.update(_gather(others, _ancestors_from_plan(plan.detach())))
         return out, torch.full_like(log_weights, -math.log(batch[-1]))
+
+
+def _ancestors_from_plan(plan: Tensor) -> Tensor:
+    """One ancestor per row of ``plan`` ``(..., N, M)``: ``A_i ~ Categorical(plan[..., i, :])``.
+
+    Rows need not be normalised. Inverse CDF with ``u = (1 - U) * row_sum`` in ``(0, row_sum]``
+    and the first index whose cumulative mass reaches ``u``: a column of zero mass repeats the
+    cumulative sum before it and so is never chosen, even when ``u`` rounds up to the row sum.
+    No host synchronisation; the device and dtype are the plan's.
+    """
+    cdf = plan.cumsum(-1)
+    u = (1 - torch.rand(cdf.shape[:-1] + (1,), dtype=cdf.dtype, device=cdf.device)) * cdf[..., -1:]
+    index = torch.searchsorted(cdf, u, right=False).squeeze(-1)
+    # Only a non-finite plan can put u beyond the last cumulative mass.
+    return index.clamp_(max=plan.shape[-1] - 1)
