@@ -14,6 +14,11 @@ One step at time ``t`` reads as its equation (MATH.md, section 1)::
     log w_t = log w_{t-1} + log omega - log p_hat(y_t | y_{1:t-1})
     resample the filters whose ESS fell below ess_threshold * N
 
+Each site's term of ``log omega`` is shifted by its maximum over the particles of a filter before
+the terms are summed, and the shifts are added back to ``log p_hat`` only: a term that is huge
+but equal for all particles (a ``pyro.factor`` constant) would otherwise round the per-particle
+differences away in float32. Values and gradients are those of the equations above.
+
 Log-weights and the running log-evidence keep their autograd graph, so with a differentiable
 resampler (:class:`~pyro_smc.resamplers.OTResampler`) ``log_evidence`` and the filtering means
 are differentiable in model and proposal parameters. ``num_filters`` independent filters run
@@ -44,7 +49,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable
+import re
+import warnings
+from typing import Any, Callable, Iterator
 
 import pyro
 import pyro.distributions as dist
@@ -57,11 +64,15 @@ from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
-from pyro_smc.ops.weights import ess as _ess
-from pyro_smc.resamplers import SystematicResampler
+from torch.distributions import Distribution
+from torch.distributions.utils import lazy_property
 
-__all__ = ["SMC", "SMCState", "SMCFailedError"]
+from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
+from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
+from pyro_smc.ops.weights import ess as _ess
+from pyro_smc.resamplers import OTResampler, SystematicResampler
+
+__all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
 
 
 class SMCFailedError(SMCFailed):
@@ -69,6 +80,15 @@ class SMCFailedError(SMCFailed):
 
     A ``ValueError`` (through ``pyro.infer.smcfilter.SMCFailed``), so code that catches Pyro's
     exception catches this one too.
+    """
+
+
+class NonReparameterizedGradientWarning(UserWarning):
+    """A proposal site without ``rsample`` draws from a distribution whose parameters require grad.
+
+    Its draws are not differentiable, and ``log_evidence`` carries no score-function terms for
+    them, so parameters that act only through the site's distribution get no gradient (or a
+    biased one). Emitted once per site-name prefix and run while grad mode is on.
     """
 
 
@@ -117,7 +137,7 @@ class SMC:
         state: the particle state (:class:`SMCState`).
         log_weights: normalised log-weights, shape ``(B, N)``.
         log_evidence: ``log Z_hat``, shape ``(B,)``, differentiable.
-        ess: effective sample size after the last weighting, shape ``(B,)``.
+        ess: effective sample size after the last weighting, in ``[1, N]``, shape ``(B,)``.
         filtering_means: dict of ``(T, B, *event)`` weighted means per floating state key,
             one row per ``step`` (taken before resampling).
         ess_history: ``(T, B)``; resampled: ``(T, B)`` bool.
@@ -173,6 +193,7 @@ class SMC:
         self._means: dict[str, list[Tensor]] = {}
         self._ess_history: list[Tensor] = []
         self._resampled: list[Tensor] = []
+        self._warned_sites: set[str] = set()
         mpn = self.max_plate_nesting
         self._plates = [pyro.plate("particles", self.num_particles, dim=-1 - mpn)]
         if self.num_filters > 1:
@@ -320,6 +341,8 @@ class SMC:
                     f"{-1 - self.max_plate_nesting}; set max_plate_nesting (now {self.max_plate_nesting}) "
                     f"to the number of plates the model nests inside a step"
                 ) from error
+        if torch.is_grad_enabled():
+            self._warn_non_reparameterized(model_trace, guide_trace, where)
         terms = self._log_weight_terms(model_trace, guide_trace)
         self._check_state(where)
         if not terms:
@@ -329,12 +352,7 @@ class SMC:
             if self.log_weights is not None:
                 self._record(where)
             return
-        increment = terms[0][1]
-        for _, term in terms[1:]:
-            increment = increment + term
-        increment = increment.expand(self._particle_shape)
-        if self.num_filters == 1:
-            increment = increment.unsqueeze(0)
+        increment, offset = self._centred_increment(terms)
         if self.log_weights is None:
             self._init_weights(increment)
         joint = self.log_weights + increment
@@ -342,14 +360,75 @@ class SMC:
         if not bool(torch.isfinite(log_norm).all()):
             raise self._failure(terms, where)
         self.log_weights = joint - log_norm.unsqueeze(-1)
-        self.log_evidence = self.log_evidence + log_norm
+        self.log_evidence = self.log_evidence + (log_norm + offset)
         self._record(where)
+
+    def _centred_increment(self, terms: list[tuple[str, Tensor]]) -> tuple[Tensor, Tensor]:
+        """``log omega`` up to a constant per filter, and that constant.
+
+        Each site's term is shifted by its per-filter maximum over particles before the terms
+        are summed. A term that is large but (nearly) the same for every particle, e.g. a
+        ``pyro.factor`` constant or an unnormalised density, would otherwise round away the
+        per-particle differences of the others: the float32 spacing at ``1e8`` is 8. A constant
+        per filter cancels in the normalised weights, so the shifts are needed only for the
+        log-evidence, where the caller adds them back.
+
+        The shifts are detached constants: ``logsumexp(log w + sum_k (term_k - m_k)) + sum_k m_k``
+        then has the value *and* the gradient of ``logsumexp(log w + sum_k term_k)``, the
+        gradient flowing through the centred terms (adding back an un-detached ``m_k`` would
+        count ``d m_k`` twice).
+
+        Returns:
+            ``(increment, offset)``: the centred sum ``(B, N)`` and the summed shifts ``(B,)``.
+        """
+        increment = offset = None
+        for _, term in terms:
+            term = term.expand(self._particle_shape).reshape(self.num_filters, self.num_particles)
+            shift = term.detach().amax(-1)
+            # A row without a finite maximum (all -inf, NaN or +inf) stays unshifted, so the
+            # failure check after the logsumexp still sees it.
+            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+            centred = term - shift.unsqueeze(-1)
+            increment = centred if increment is None else increment + centred
+            offset = shift if offset is None else offset + shift
+        return increment, offset
 
     def _init_weights(self, like: Tensor) -> None:
         dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
         shape = (self.num_filters, self.num_particles)
         self.log_weights = torch.full(shape, -math.log(self.num_particles), dtype=dtype, device=like.device)
         self.log_evidence = torch.zeros(self.num_filters, dtype=dtype, device=like.device)
+
+    def _warn_non_reparameterized(self, model_trace, guide_trace, where: str) -> None:
+        """Warns about proposal sites whose draws cannot carry the gradient of their parameters.
+
+        The proposal is the guide's latent sites plus the model's latent sites the guide does not
+        sample (those are drawn from the model's own transition). A bootstrap site contributes
+        ``p / p = 1`` to the weight, so without ``rsample`` its parameters vanish from
+        ``log_evidence`` entirely; a guide site keeps only its ``-log q`` term. Warned once per
+        site-name prefix (``z_3`` and ``z_4`` are one site over time) and run.
+        """
+        proposal = [] if guide_trace is None else list(guide_trace.nodes.values())
+        proposal += [site for name, site in model_trace.nodes.items() if guide_trace is None or name not in guide_trace.nodes]
+        for site in proposal:
+            if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+                continue
+            fn = site["fn"]
+            if getattr(fn, "has_rsample", True):
+                continue
+            prefix = re.sub(r"[_\d]+$", "", site["name"]) or site["name"]
+            if prefix in self._warned_sites or not any(p.requires_grad for p in _distribution_parameters(fn)):
+                continue
+            self._warned_sites.add(prefix)
+            warnings.warn(
+                NonReparameterizedGradientWarning(
+                    f"at {where}: site '{site['name']}' ({_distribution_name(fn)}) is not reparameterised; "
+                    f"the gradient of log_evidence does not include the score-function terms of its draws, "
+                    f"so parameters that act only through this site get no (or a biased) gradient; use a "
+                    f"reparameterisable or relaxed proposal, or marginalise the discrete variable"
+                ),
+                stacklevel=2,
+            )
 
     def _log_weight_terms(self, model_trace, guide_trace) -> list[tuple[str, Tensor]]:
         """Per-site contributions to ``log omega``, each reduced to the particle shape."""
@@ -416,7 +495,9 @@ class SMC:
 
     def _record(self, where: str) -> None:
         log_w = self.log_weights
-        ess = _ess(log_w.detach())
+        # ESS of normalised weights lies in [1, N] (Cauchy-Schwarz); rounding in the normalisation
+        # may step past either end by an ulp, which a threshold comparison must not see.
+        ess = _ess(log_w.detach()).clamp(1, self.num_particles)
         self.ess = ess
         if where != "init":
             w = log_w.exp()
@@ -430,22 +511,87 @@ class SMC:
         self._weighted = (dict(self.state), log_w)
         need = ess < self.ess_threshold * self.num_particles
         if self.state and bool(need.any()):
-            self._resample(need)
+            self._resample(need, where)
         if where != "init":
             self._resampled.append(need if self.state else torch.zeros_like(need))
 
-    def _resample(self, need: Tensor) -> None:
+    def _resample(self, need: Tensor, where: str) -> None:
         particles = self._batched_state()
         if bool(need.all()):
-            new, new_log_w = self.resampler(particles, self.log_weights)
+            new, new_log_w = self._call_resampler(particles, self.log_weights, where)
         else:
             idx = need.nonzero().squeeze(-1)
-            sub, sub_log_w = self.resampler({k: v[idx] for k, v in particles.items()}, self.log_weights[idx])
+            sub, sub_log_w = self._call_resampler({k: v[idx] for k, v in particles.items()}, self.log_weights[idx], where)
             new = {k: particles[k].index_put((idx,), sub[k]) for k in particles}
             new_log_w = self.log_weights.index_put((idx,), sub_log_w)
         self.log_weights = new_log_w
         for key, value in new.items():
             dict.__setitem__(self.state, key, value if self.num_filters > 1 else value.squeeze(0))
+
+    def _call_resampler(self, particles: dict[str, Tensor], log_weights: Tensor, where: str) -> tuple[dict[str, Tensor], Tensor]:
+        """Calls the resampler, prefixing its Sinkhorn convergence warnings with ``where``.
+
+        The solver cannot know the time step; the user needs it to find the hard step. Only
+        resamplers that may emit such warnings are wrapped: ``catch_warnings`` costs a few
+        microseconds and, by mutating the warning filters, resets Python's once-per-location
+        bookkeeping of every warning.
+        """
+        if not (isinstance(self.resampler, OTResampler) or getattr(self.resampler, "emits_convergence_warnings", False)):
+            return self.resampler(particles, log_weights)
+        caught: list[warnings.WarningMessage] = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", SinkhornConvergenceWarning)
+                return self.resampler(particles, log_weights)
+        finally:
+            # Re-emitted after the block has restored the user's filters, so they apply (an
+            # "error" filter raises here, pytest.warns sees them); also when the resampler raised.
+            for record in caught:
+                if issubclass(record.category, SinkhornConvergenceWarning):
+                    warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
+                else:
+                    warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
+
+
+def _distribution_parameters(fn: Distribution) -> Iterator[Tensor]:
+    """The parameter tensors of ``fn`` and of every distribution it wraps.
+
+    Parameters are the tensors named by each distribution's ``arg_constraints``; wrappers
+    (``Independent``, ``MaskedDistribution``, ``ExpandedDistribution``, transformed and mixture
+    distributions) hold the distributions they wrap as attributes, which are searched in turn.
+    """
+    stack, seen = [fn], set()
+    while stack:
+        d = stack.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        attributes = vars(d)
+        try:
+            names = list(d.arg_constraints)
+        except NotImplementedError:
+            names = []
+        for name in names:
+            value = attributes.get(name)
+            # A lazy property (Categorical.logits of a probs-built Categorical) is not computed
+            # just to be looked at; its source parameter is in the instance dict.
+            if value is None and not isinstance(getattr(type(d), name, None), lazy_property):
+                try:
+                    value = getattr(d, name, None)
+                except Exception:  # a property that cannot be computed is not a parameter we can check
+                    value = None
+            if isinstance(value, Tensor):
+                yield value
+        stack.extend(value for value in attributes.values() if isinstance(value, Distribution))
+
+
+def _distribution_name(fn: Distribution) -> str:
+    """``Categorical``, or ``Independent(Categorical)`` for a wrapper chain."""
+    names = [type(fn).__name__]
+    while isinstance(getattr(fn, "base_dist", None), Distribution):
+        fn = fn.base_dist
+        names.append(type(fn).__name__)
+    return "(".join(names) + ")" * (len(names) - 1)
 
 
 def _check_finite_args(args, kwargs, where: str) -> None:
