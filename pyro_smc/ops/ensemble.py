@@ -60,14 +60,34 @@ __all__ = ["ensemble_transform"]
 
 
 def _normalised_cost(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Returns the cost ``||x_i - x_j||^2 / delta^2`` and ``delta^2`` (the latter detached)."""
+    """Returns the cost ``||x_i - x_j||^2 / delta^2`` and ``delta^2 = D max_k var_i(x_ik)``.
+
+    ``delta`` is part of the function: it is differentiated like the rest (under autograd here,
+    by hand in the fused backward), so the gradient is that of the computed transform and
+    matches its finite differences. A degenerate cloud (all particles equal) has nothing to
+    transport; its scale is set to 1, a constant, to avoid 0/0.
+    """
     n, d = x.shape[-2:]
-    with torch.no_grad():
-        spread = x.std(dim=-2, unbiased=False).amax(-1) if n > 1 else x.new_zeros(x.shape[:-2])
-        scale2 = d * spread * spread
-        # Degenerate clouds (all particles equal) have nothing to transport; avoid 0/0.
-        scale2 = torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
+    if n > 1:
+        scale2 = d * x.var(dim=-2, unbiased=False).amax(-1)
+    else:
+        scale2 = x.new_zeros(x.shape[:-2])
+    scale2 = torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
     return squared_distances(x, x) / scale2[..., None, None], scale2
+
+
+def _scale_gradient(x: Tensor, grad_scale2: Tensor) -> Tensor:
+    """``d loss / d x`` through ``delta^2 = D var_k*(x)``, ``k*`` the widest coordinate (zero for
+    degenerate clouds, whose scale is the constant 1)."""
+    n, d = x.shape[-2:]
+    centred = x - x.mean(-2, keepdim=True)
+    var = centred.square().mean(-2)
+    widest = var.argmax(-1, keepdim=True)  # (...,1)
+    live = (d * var.gather(-1, widest)).squeeze(-1) > 0
+    grad = torch.zeros_like(x)
+    column = (2 * d / n) * centred.gather(-1, widest.unsqueeze(-2).expand(x.shape[:-1] + (1,)))
+    grad.scatter_(-1, widest.unsqueeze(-2).expand(x.shape[:-1] + (1,)), column * torch.where(live, grad_scale2, torch.zeros_like(grad_scale2))[..., None, None])
+    return grad
 
 
 class _FusedEnsembleTransform(torch.autograd.Function):
@@ -127,6 +147,10 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         ht_x = _thin_matmul(grad_cost, x1, transpose=True)
         sums = (h_x[..., -1] + ht_x[..., -1]).unsqueeze(-1)
         grad_x = (2 / scale2)[..., None, None] * (sums * x - h_x[..., :-1] - ht_x[..., :-1])
+        # Through the scale: d loss / d delta^2 = -sum_ij H_ij ||x_i - x_j||^2 / delta^4, where
+        # sum_ij H_ij ||x_i - x_j||^2 = sum_i (R_i + S_i) |x_i|^2 - 2 sum_i x_i . (H x)_i.
+        spread = (sums.squeeze(-1) * x.square().sum(-1) - 2 * (x * h_x[..., :-1]).sum(-1)).sum(-1)
+        grad_x = grad_x + _scale_gradient(x, -spread / scale2.square())
         grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g  # through x_j in P x
         return grad_x, grad_log_b, None, None, None, None
 

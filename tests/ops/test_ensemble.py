@@ -25,7 +25,7 @@ def _grads(x, log_w, mode, eps=0.3, threshold=1e-12, weights_out=None):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fused_implicit_gradient_matches_autograd_through_the_iterations(seed):
     # Oracle: autograd through every Sinkhorn iteration (exact for the iterate it returns),
-    # converged to 1e-12. gradcheck cannot be the oracle for x: the cost's scale is detached.
+    # converged to 1e-12.
     x, log_w = _cloud(3, 12, seed=seed, spread=2.0)
     log_w[1, :2] = -math.inf  # particles of zero weight
     log_w = log_w - log_w.logsumexp(-1, keepdim=True)
@@ -45,6 +45,19 @@ def test_fused_implicit_gradcheck_in_the_log_weights(seed):
         return ensemble_transform(x, log_w, 0.4, threshold=1e-13, max_iter=20000)[0]
 
     assert torch.autograd.gradcheck(fn, (log_w,), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [1, 3])
+def test_fused_implicit_gradcheck_in_the_particles(dim):
+    """The scale delta = sqrt(D) max_k std(x_k) is differentiated too, so the gradient in the
+    particles is the finite-difference derivative of the computed transform."""
+    x, log_w = _cloud(2, 7, d=dim, seed=dim, spread=1.5)
+    x.requires_grad_()
+
+    def fn(x):
+        return ensemble_transform(x, log_w, 0.4, threshold=1e-13, max_iter=20000)[0]
+
+    assert torch.autograd.gradcheck(fn, (x,), atol=1e-6, rtol=1e-5)
 
 
 def test_implicit_plan_carries_no_gradient_but_other_modes_do():
