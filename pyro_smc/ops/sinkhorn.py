@@ -318,6 +318,8 @@ def _solve_loop(
             a_zero, b_zero = a_zero.index_select(0, keep), b_zero.index_select(0, keep)
             omega = None if omega is None else omega.index_select(0, keep)
             kernel, cost = kernel.index_select(0, keep), cost.index_select(0, keep)
+    else:
+        _warn_unconverged(err, threshold, max_iter)
     # The returned potentials take the last exact row update, so rows of the plan are exact.
     f, g = f + eps * torch.log(u_exact), g + eps * torch.log(v)
     if active is not None:
@@ -432,7 +434,23 @@ def _unrolled_log_loop(
         if bool((err < threshold).all()):
             break
         g = g_next
+    else:
+        _warn_unconverged(err, threshold, max_iter)
     return f, g
+
+
+def _warn_unconverged(err: Tensor, threshold: float, max_iter: int) -> None:
+    """Tells the user that some problems ended at ``max_iter`` above ``threshold``."""
+    err = err.detach()
+    bad = ~(err < threshold)
+    if bool(bad.any()):
+        warnings.warn(
+            f"sinkhorn: {int(bad.sum())} of {err.numel()} problems stopped at max_iter={max_iter} with a marginal error of "
+            f"up to {float(err[bad].max()):.3g} (threshold {threshold:g}); the transport and its gradient are inaccurate: "
+            "raise max_iter or epsilon",
+            SinkhornConvergenceWarning,
+            stacklevel=3,
+        )
 
 
 def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> Tensor:

@@ -115,3 +115,9 @@ def test_implicit_gradient_matches_finite_differences_of_the_fixed_noise_estimat
 
     fd = (log_z(theta + h) - log_z(theta - h)) / (2 * h)
     assert torch.allclose(grads, fd, rtol=1e-5, atol=1e-5 * float(fd.abs().max())), torch.stack([grads, fd])
+
+
+def test_unconverged_ot_resampling_warns_with_the_time_step():
+    ys = simulate(5, seed=0)
+    with pytest.warns(SinkhornConvergenceWarning, match=r"at time step \d+: sinkhorn: .* max_iter=2"):
+        per_run_gradients(ys, OTResampler(0.01, scaling=0.0, max_iter=2), num_filters=4, num_particles=32, seed=0)

@@ -138,3 +138,21 @@ def test_invalid_arguments():
         sinkhorn(cost, log_a, log_b, 0.0)
     with pytest.raises(ValueError, match="gradient"):
         sinkhorn(cost, log_a, log_b, 0.5, gradient="magic")
+
+
+@pytest.mark.parametrize("gradient", ["implicit", "unroll", "last_step"])
+def test_unconverged_solve_warns_and_converged_solve_does_not(gradient):
+    import warnings
+
+    from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 30, 2, generator=g, dtype=torch.float64)
+    cost = squared_distances(x, x)
+    log_a = torch.full((3, 30), -math.log(30), dtype=torch.float64)
+    log_b = torch.randn(3, 30, generator=g, dtype=torch.float64).mul(3).log_softmax(-1)
+    with pytest.warns(SinkhornConvergenceWarning, match="max_iter=2"):
+        sinkhorn(cost, log_a, log_b, 0.01, scaling=0.0, threshold=1e-6, max_iter=2, gradient=gradient)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SinkhornConvergenceWarning)
+        sinkhorn(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=1000, gradient=gradient)
