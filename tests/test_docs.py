@@ -1,12 +1,16 @@
 """The README example runs, every public name resolves, the tutorials run in smoke mode."""
 
 import importlib
+import os
 import pathlib
 import re
 import time
+import warnings
 
 import pytest
 import torch
+
+from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -33,14 +37,44 @@ def test_public_names_resolve(module):
         assert hasattr(mod, name), f"{module}.__all__ lists missing {name}"
 
 
-def test_readme_example_runs():
+def _readme_ar1_mle(ys):
+    """Exact maximum-likelihood theta of the README's AR(1) (Kalman log-likelihood on a grid)."""
+    from pyro_smc.models import LinearGaussianSSM
+
+    one = torch.ones(1, 1, dtype=torch.float64)
+    grid = torch.linspace(-0.99, 0.99, 199, dtype=torch.float64)
+    ys = ys.double().reshape(-1, 1)
+    loglik = [LinearGaussianSSM(th * one, one, one, 0.09 * one, torch.zeros(1, dtype=torch.float64), one).log_evidence(ys) for th in grid]
+    return float(grid[torch.stack(loglik).argmax()])
+
+
+# The README's SVI example, as printed (100 steps), learns theta on every data seed tried:
+# final theta against the exact MLE on data seeds 0, 1, 3, 4: 0.805/0.795, 0.781/0.810,
+# 0.801/0.825, 0.604/0.610. The default run checks the first 30 steps of two seeds (the
+# trajectories are at 0.63-0.68 by then); PYRO_SMC_FULL=1 runs the full 100 steps.
+FULL = os.environ.get("PYRO_SMC_FULL") == "1"
+
+
+@pytest.mark.parametrize("data_seed", [0, 1, 3, 4] if FULL else [0, 4])
+def test_readme_example_learns(data_seed):
     code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
+    assert "range(100):\n    svi" in code
+    steps = 100 if FULL else 30
     torch.set_default_dtype(torch.float32)
+    torch.manual_seed(data_seed)  # the README draws its data from the global generator
     namespace = {}
-    exec(code.replace("range(100):\n    svi", "range(2):\n    svi"), namespace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SinkhornConvergenceWarning)
+        exec(code.replace("range(100):\n    svi", f"range({steps}):\n    svi"), namespace)
     assert namespace["smc"].log_evidence.shape == (8,)
-    # Data come from the model at theta = 0.8: the estimate is a finite log-evidence near the scale of T.
     assert torch.isfinite(namespace["smc"].log_evidence).all()
+    theta, mle = float(namespace["model"].theta.detach()), _readme_ar1_mle(namespace["ys"])
+    if FULL:
+        assert abs(theta - mle) < 0.05, (theta, mle)
+    else:
+        # Adam at lr 0.05 climbs about 0.015 per step from 0.2; after 30 steps theta is past 0.55
+        # and still below the MLE (0.61 to 0.83 on these seeds), never NaN.
+        assert 0.55 < theta < mle + 0.05, (theta, mle)
 
 
 def test_readme_ep_example_runs():
