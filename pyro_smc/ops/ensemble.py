@@ -10,7 +10,9 @@ plan from the uniform measure on the particles to the weighted one,
     \delta = \sqrt{D} \max_k \operatorname{std}_i(x_{ik}),
 
 which preserves the weighted mean (up to the marginal error) and is smooth in the particles and
-the log-weights. ``delta`` (detached) makes ``epsilon`` free of the state's scale and dimension.
+the log-weights. ``delta`` makes ``epsilon`` free of the state's scale and dimension; it is
+differentiated with the rest (Corenflos et al. detach it), so the gradient is the derivative of
+the transform actually computed and matches its finite differences.
 
 With ``gradient="implicit"`` the whole transform is one fused autograd function: Sinkhorn runs
 without autograd, and the backward pass goes from ``d loss / d x_new`` to the gradients of the
