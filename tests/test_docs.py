@@ -48,18 +48,19 @@ def _readme_ar1_mle(ys):
     return float(grid[torch.stack(loglik).argmax()])
 
 
-# The README's SVI example, as printed (100 steps), learns theta on every data seed tried:
-# final theta against the exact MLE on data seeds 0, 1, 3, 4: 0.805/0.795, 0.781/0.810,
-# 0.801/0.825, 0.604/0.610. The default run checks the first 30 steps of two seeds (the
-# trajectories are at 0.63-0.68 by then); PYRO_SMC_FULL=1 runs the full 100 steps.
+# The README's SVI example, as printed (Adam at lr 0.1, 100 steps), learns theta on every data seed
+# tried: final theta against the exact MLE on data seeds 0-7 (commands and numbers in the README's
+# section on learning). The default run checks the first 50 steps of two seeds (seed 7 has the
+# highest MLE, 0.885, seed 4 the lowest, 0.61, which Adam overshoots before settling);
+# PYRO_SMC_FULL=1 runs the printed 100 steps on eight seeds.
 FULL = os.environ.get("PYRO_SMC_FULL") == "1"
 
 
-@pytest.mark.parametrize("data_seed", [0, 1, 3, 4] if FULL else [0, 4])
+@pytest.mark.parametrize("data_seed", list(range(8)) if FULL else [4, 7])
 def test_readme_example_learns(data_seed):
     code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
     assert "range(100):\n    svi" in code
-    steps = 100 if FULL else 30
+    steps = 100 if FULL else 50
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(data_seed)  # the README draws its data from the global generator
     namespace = {}
@@ -69,12 +70,9 @@ def test_readme_example_learns(data_seed):
     assert namespace["smc"].log_evidence.shape == (8,)
     assert torch.isfinite(namespace["smc"].log_evidence).all()
     theta, mle = float(namespace["model"].theta.detach()), _readme_ar1_mle(namespace["ys"])
-    if FULL:
-        assert abs(theta - mle) < 0.05, (theta, mle)
-    else:
-        # Adam at lr 0.05 climbs about 0.015 per step from 0.2; after 30 steps theta is past 0.55
-        # and still below the MLE (0.61 to 0.83 on these seeds), never NaN.
-        assert 0.55 < theta < mle + 0.05, (theta, mle)
+    # Measured |theta - MLE| after 100 steps: at most 0.03 over eight seeds; after 50 steps at
+    # most 0.045 on these two. The stationary noise of Adam at lr 0.1 is about 0.02.
+    assert abs(theta - mle) < (0.05 if FULL else 0.08), (theta, mle)
 
 
 def test_readme_ep_example_runs():
