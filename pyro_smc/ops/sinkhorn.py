@@ -212,14 +212,36 @@ def _log_domain_update(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One exact log-domain column then row update; returns ``(f, g, kernel)`` with the new
     potentials absorbed, so the kernel is O(1) at every row's and column's maximum. Potentials of
-    zero-mass particles (``a_zero`` / ``b_zero`` masks) are pinned to 0."""
+    zero-mass particles (``a_zero`` / ``b_zero`` masks) are pinned to 0 and their kernel rows and
+    columns to 0."""
     g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
     f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
     if a_zero is not None:
         f = torch.where(a_zero, torch.zeros_like(f), f)
     if b_zero is not None:
         g = torch.where(b_zero, torch.zeros_like(g), g)
-    return f, g, torch.exp(_log_kernel(cost, f, g, eps))
+    return f, g, _mask_kernel(torch.exp(_log_kernel(cost, f, g, eps)), a_zero, b_zero)
+
+
+def _mask_kernel(kernel: Tensor, a_zero: Tensor | None, b_zero: Tensor | None) -> Tensor:
+    """Zeroes the kernel's rows and columns of zero-mass points.
+
+    Their entries carry no mass, but they are not bounded: a row far from every heavy particle
+    needs ``K_ij`` up to ``1 / b_j`` for its marginal, which overflows float32 once ``b_j`` is
+    below 1e-38, and ``0 * inf`` then sent every iteration back to an absorption (100 of them
+    without a convergence check on a float32 filter with ESS 1.001).
+    """
+    if a_zero is not None:
+        kernel = kernel.masked_fill(a_zero.unsqueeze(-1), 0.0)
+    if b_zero is not None:
+        kernel = kernel.masked_fill(b_zero.unsqueeze(-2), 0.0)
+    return kernel
+
+
+def _zero_mass(log_w: Tensor) -> Tensor:
+    """Points whose mass is below the dtype's smallest normal number (denormals carry a few bits
+    at best and their reciprocals overflow): the solver treats them as empty."""
+    return log_w < math.log(torch.finfo(log_w.dtype).tiny)
 
 
 def _solve_loop(
@@ -266,13 +288,15 @@ def _solve_loop(
 
     eps = epsilon
     compact = not torch.is_grad_enabled()
-    a, b = log_a.exp(), log_b.exp()
+    # Particles of zero weight have no marginal to match; their scalings are pinned to 1 and
+    # their kernel rows/columns to 0 so that 0 * inf never turns an error or a potential into NaN.
+    a_zero, b_zero = _zero_mass(log_a), _zero_mass(log_b)
+    pin_a, pin_b = bool(a_zero.any()), bool(b_zero.any())
+    a = log_a.exp().masked_fill(a_zero, 0.0) if pin_a else log_a.exp()
+    b = log_b.exp().masked_fill(b_zero, 0.0) if pin_b else log_b.exp()
     # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
     kernel = torch.exp(_log_kernel(cost, f, g, eps)) if schedule else torch.exp(cost * (-1.0 / eps))
-    # Particles of zero weight have no marginal to match; their scalings are pinned to 1 so that
-    # 0 * inf never turns an error or a potential into NaN.
-    a_zero, b_zero = a == 0, b == 0
-    pin_a, pin_b = bool(a_zero.any()), bool(b_zero.any())
+    kernel = _mask_kernel(kernel, a_zero if pin_a else None, b_zero if pin_b else None)
     tiny = torch.finfo(kernel.dtype).tiny
     row_sums, col_sums = _rowsum(kernel, b), _colsum(kernel, a)
     if not bool(((row_sums > tiny) | a_zero).all() & ((col_sums > tiny) | b_zero).all() & torch.isfinite(row_sums).all()):
@@ -359,7 +383,7 @@ def _complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g
     The c-transform is the potential the fixed point extends to those points, so every column
     of the plan then sums to its (underflowing) mass.
     """
-    a_zero, b_zero = log_a.exp() == 0, log_b.exp() == 0
+    a_zero, b_zero = _zero_mass(log_a), _zero_mass(log_b)
     if bool(b_zero.any()):
         g = torch.where(b_zero, -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2), g)
     if bool(a_zero.any()):
