@@ -214,8 +214,8 @@ def _log_domain_update(
     potentials absorbed, so the kernel is O(1) at every row's and column's maximum. Potentials of
     zero-mass particles (``a_zero`` / ``b_zero`` masks) are pinned to 0 and their kernel rows and
     columns to 0."""
-    g = -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2)
-    f = -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1)
+    g = _soft_min(cost, f, log_a, eps, rows=True)
+    f = _soft_min(cost, g, log_b, eps, rows=False)
     if a_zero is not None:
         f = torch.where(a_zero, torch.zeros_like(f), f)
     if b_zero is not None:
@@ -385,9 +385,9 @@ def _complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g
     """
     a_zero, b_zero = _zero_mass(log_a), _zero_mass(log_b)
     if bool(b_zero.any()):
-        g = torch.where(b_zero, -eps * torch.logsumexp((f.unsqueeze(-1) - cost) / eps + log_a.unsqueeze(-1), dim=-2), g)
+        g = torch.where(b_zero, _soft_min(cost, f, log_a, eps, rows=True), g)
     if bool(a_zero.any()):
-        f = torch.where(a_zero, -eps * torch.logsumexp((g.unsqueeze(-2) - cost) / eps + log_b.unsqueeze(-2), dim=-1), f)
+        f = torch.where(a_zero, _soft_min(cost, g, log_b, eps, rows=False), f)
     return f, g
 
 
@@ -402,8 +402,7 @@ class _SoftMin(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cost, pot, log_w, eps, rows):
         # rows=True: pot lives on the rows (dim -2) and the result on the columns.
-        z = _soft_min_logits(cost, pot, log_w, eps, rows)
-        out = -eps * torch.logsumexp(z, dim=-2 if rows else -1)
+        out = _soft_min(cost, pot, log_w, eps, rows)
         ctx.save_for_backward(cost, pot, log_w, out)
         ctx.eps, ctx.rows = eps, rows
         return out
@@ -420,6 +419,12 @@ class _SoftMin(torch.autograd.Function):
         grad_pot = -weights.sum(keep_dim)
         grad_log_w = eps * grad_pot if ctx.needs_input_grad[2] else None
         return grad_cost, grad_pot, grad_log_w, None, None
+
+
+def _soft_min(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
+    """The c-transform ``-eps log sum exp((pot - C) / eps + log_w)`` over the points of ``pot``:
+    ``rows=True`` maps row potentials ``f`` to column potentials ``g``, ``rows=False`` the reverse."""
+    return -eps * torch.logsumexp(_soft_min_logits(cost, pot, log_w, eps, rows), dim=-2 if rows else -1)
 
 
 def _soft_min_logits(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
@@ -678,7 +683,7 @@ def sinkhorn(
         f, g, _ = _solve_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
     # One differentiable row update from the detached g: the plan's rows are exact and its
     # derivatives are those of a row-softmax, which is what makes this mode approximate.
-    f = -epsilon * torch.logsumexp((g.unsqueeze(-2) - cost) / epsilon + log_b.unsqueeze(-2), dim=-1)
+    f = _soft_min(cost, g, log_b, epsilon, rows=False)
     return f, g
 
 
