@@ -20,7 +20,7 @@ likelihood is Gaussian on the chosen action's reward only, ``Normal(f(x)[a], 0.1
 fixed at 0.1 (the paper's code fixes ``noise_sigma = 0.1`` for its BBB agent; a learned sd can collapse
 on the first few points), in ``pyro.plate("data", n, subsample_size=512)`` (full batch while n <= 512).
 Guides: ``AutoNormal``, ``AutoLowRankMultivariateNormal(rank=10)``, ``AutoKroneckerFlow`` kind
-``diag`` / ``linear`` / ``nonlinear`` (RealNVP, hidden (32,)); init scale 0.01 for all; every guide's
+``diag`` / ``linear`` / ``nonlinear`` (additive coupling, hidden (32,)); init scale 0.01 for all; every guide's
 locations start from the same He-uniform draw per seed (weights U(-sqrt(6 / fan_in), +sqrt(6 / fan_in)),
 biases 0), passed as ``init_loc_fn=init_to_value(...)`` (``AutoKroneckerFlow`` honours it since commit
 65d2920; before, it took its locations from one prior draw).
@@ -189,7 +189,7 @@ def make_guide(name: str, model, init_values: dict[str, torch.Tensor]):
     if name.startswith("AutoLowRankMVN"):
         return AutoLowRankMultivariateNormal(model, rank=LOW_RANK, init_loc_fn=init_fn, init_scale=INIT_SCALE)
     kind = {"K-Diag": "diag", "K-Linear": "linear", "K-Nonlinear": "nonlinear"}[name]
-    return AutoKroneckerFlow(model, kind=kind, flow="realnvp", hidden_dims=(32,), init_loc_fn=init_fn, init_scale=INIT_SCALE)
+    return AutoKroneckerFlow(model, kind=kind, flow="additive_coupling", hidden_dims=(32,), init_loc_fn=init_fn, init_scale=INIT_SCALE)
 
 
 # --- agent ---------------------------------------------------------------------------------------

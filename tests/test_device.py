@@ -196,6 +196,39 @@ def test_kronecker_flow_svi_predictive_and_arviz(opts, kind):
     assert idata.posterior["w"].shape == (1, 10, 3, 2)
 
 
+@pytest.mark.parametrize("kind", ["diag", "linear", "nonlinear"])
+def test_kronecker_flow_local_and_constrained_sites(opts, kind):
+    """Subsampled local matrices, LKJ, simplex and positive sites: every parameter, sample,
+    median and quantile on the inputs' device and dtype, with JIT-traced ELBO and flows."""
+    from pyro.infer import JitTrace_ELBO
+
+    data = torch.linspace(-1.0, 1.0, 30, **opts)
+
+    def model():
+        corr = pyro.sample("corr", dist.LKJCholesky(3, torch.ones((), **opts)))
+        probs = pyro.sample("probs", dist.Dirichlet(torch.ones(3, **opts)))
+        w = pyro.sample("w", dist.LogNormal(torch.zeros(3, 2, **opts), 1.0).to_event(2))
+        with pyro.plate("data", 30, subsample_size=10, device=opts["device"]) as idx:
+            m = pyro.sample("m", dist.Normal(torch.zeros(2, 2, **opts), 1.0).to_event(2))
+            mean = m.sum((-1, -2)) + corr.sum() + probs.sum() + w.sum()
+            pyro.sample("y", dist.Normal(mean, 1.0), obs=data[idx])
+
+    with strict(opts):
+        guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(4,))
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), JitTrace_ELBO(ignore_jit_warnings=True))
+        losses = [svi.step() for _ in range(3)]
+        sample, median = guide(), guide.median()
+        quantiles = guide.quantiles([0.25, 0.75])
+    assert all(math.isfinite(v) for v in losses)
+    assert guide.matrix_sites == {"w": (3, 2), "m": (2, 2)}
+    assert all(_on(p, opts) for p in guide.parameters())
+    for out in (sample, median, quantiles):
+        assert all(_on(v, opts) for v in out.values())
+    assert median["m"].shape == (30, 2, 2) and sample["m"].shape == (10, 2, 2) and quantiles["m"].shape == (2, 30, 2, 2)
+    assert (quantiles["w"][0] < quantiles["w"][1]).all() and (quantiles["w"][0] > 0).all()
+    torch.testing.assert_close(median["probs"].sum(), torch.ones((), **opts))
+
+
 def test_matrix_normal(opts):
     loc = torch.zeros(3, 2, **opts)
     row, col = torch.eye(3, **opts), 2 * torch.eye(2, **opts)

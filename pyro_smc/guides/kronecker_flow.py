@@ -1,23 +1,33 @@
 r"""``AutoKroneckerFlow``: Kronecker-structured and flow posteriors for weight matrices.
 
-Every latent site whose value is a matrix (event dim >= 2; convolution kernels
-``(out, in, k, k)`` are read as ``(out, in k k)``) gets the posterior of MATH.md section 3,
+A drop-in replacement for Pyro's ``AutoNormal``. Like it, the guide works on every site's
+*unconstrained* value ``u = biject_to(support).inv(value)``, and a site is a *matrix site* when
+``u`` has event dim >= 2 (a weight ``Normal(0, 1).expand([n, p]).to_event(2)``; a convolution
+kernel ``(out, in, k, k)``, read as the ``(out, in k k)`` matrix; a positive matrix). Each matrix
+site gets
 
-* ``kind="diag"``: ``W = M + A E B`` with diagonal ``A`` (n) and ``B`` (p);
-* ``kind="linear"``: the same with lower-triangular ``A``, ``B`` (a matrix normal,
-  ``vec W ~ N(vec M, B^T B kron A A^T)``);
-* ``kind="nonlinear"``: ``W = M + A G(E) B`` with ``G`` invertible flows applied to every
-  column and every row of the noise (:mod:`pyro_smc.guides.matrix_transforms`) and ``A``, ``B``
-  lower triangular,
+* ``kind="diag"``: ``U = M + A E B^T`` with diagonal ``A`` (n) and ``B`` (p), ``E`` standard normal;
+* ``kind="linear"``: the same with lower-triangular ``A``, ``B``: a matrix normal,
+  ``Cov(vec U) = B B^T kron A A^T``;
+* ``kind="nonlinear"``: ``U = M + A G(E) B^T``, where ``G`` applies an invertible flow to every
+  column and then to every row of ``E`` (:mod:`pyro_smc.guides.matrix_transforms`);
 
-at ``np + n(n+1)/2 + p(p+1)/2`` parameters (plus the flows' ``O(n^2 + p^2)``) instead of the
-``O(n^2 p^2)`` of a full Gaussian. Every other site gets a diagonal normal in the unconstrained
-space, as ``AutoNormal``. A triangular factor is stored as ``L = D (I + N)``: the logs of the
-diagonal ``D`` and the strictly lower ``N`` *relative to its row's scale*, so that optimiser steps
-(Adam moves every coordinate by about ``lr``) change correlations by a fixed fraction instead of
-by a fixed amount that swamps a diagonal which has shrunk during training. The ``"diag"`` and
-``"linear"`` matrix posteriors are :class:`pyro_smc.distributions.MatrixNormal` s, so
-``TraceMeanField_ELBO`` uses their closed-form KL to the usual ``Normal`` priors.
+at ``np + n(n+1)/2 + p(p+1)/2`` parameters (plus the flows') instead of the ``O(n^2 p^2)`` of a
+full Gaussian. Every other site (scalars, vectors, simplex, ``LKJCholesky``, whose unconstrained
+value is a vector) gets ``AutoNormal``'s diagonal normal. A model without matrix sites therefore
+gets exactly ``AutoNormal``'s family, without a warning (``guide.matrix_sites`` lists the matrix
+sites, so a model whose weights were meant to be matrices can be checked).
+
+Matrix sites may be batched or sit inside plates: every plate element gets its own ``M``, ``A``
+and ``B`` (one flow network per site is shared by the elements). As in ``AutoNormal``, the
+parameters of a site inside a subsampled plate have the plate's full size, and each call uses the
+rows of its minibatch.
+
+A triangular factor is stored as ``L = D (I + N)``: the logs of the diagonal ``D`` and the strictly
+lower ``N`` relative to its row's scale, so that Adam's roughly ``lr``-sized steps change
+correlations by a fraction instead of swamping a diagonal that has shrunk during training. The
+``"diag"`` and ``"linear"`` posteriors are :class:`pyro_smc.distributions.MatrixNormal` s, so
+``TraceMeanField_ELBO`` uses their closed-form KL to ``Normal`` priors.
 
 Example:
     >>> import torch, pyro, pyro.distributions as dist
@@ -31,40 +41,39 @@ Example:
     >>> guide = AutoKroneckerFlow(model, kind="linear")
     >>> svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     >>> loss = svi.step(x, y)
-    >>> guide.median(x, y)["w"].shape
-    torch.Size([3, 2])
+    >>> guide.matrix_sites, guide.median(x, y)["w"].shape
+    ({'w': (3, 2)}, torch.Size([3, 2]))
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import ExitStack
+from operator import attrgetter
 
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro import poutine
 from pyro.distributions.transforms import ComposeTransform
+from pyro.distributions.util import sum_rightmost
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_median
+from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
 from pyro.nn import PyroModule, PyroParam
+from pyro.ops.tensor_utils import periodic_repeat
 from torch import Tensor
 from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import ReshapeTransform, Transform
 
 from pyro_smc.distributions import MatrixNormal
-from pyro_smc.guides.matrix_transforms import kronecker_nonlinear
+from pyro_smc.guides.matrix_transforms import canonical_flow, kronecker_nonlinear
 from pyro_smc.ops.gaussian import tril_from_vector, tril_to_vector
 from pyro_smc.ops.kronecker import kron_logdet
 
 __all__ = ["KINDS", "AutoKroneckerFlow", "factor_from_params", "params_from_factor"]
 
 KINDS = ("diag", "linear", "nonlinear")
-
-
-def _tril_init(size: int, scale: float, like: Tensor) -> Tensor:
-    rows, cols = torch.tril_indices(size, size, device=like.device)
-    return torch.where(rows == cols, math.log(scale), 0.0).to(like.dtype)
 
 
 def factor_from_params(params: Tensor, size: int) -> Tensor:
@@ -92,11 +101,12 @@ def params_from_factor(factor: Tensor) -> Tensor:
 
 
 class _KroneckerAffine(Transform):
-    """``X -> M + A X B`` on ``(n, p)`` matrices; ``log|det| = p log|det A| + n log|det B|``."""
+    """``X -> M + A X B`` on ``(..., n, p)`` matrices; ``log|det| = p log|det A| + n log|det B|``."""
 
     domain = constraints.independent(constraints.real, 2)
     codomain = constraints.independent(constraints.real, 2)
     bijective = True
+    sign = +1  # triangular factors with positive diagonals
 
     def __init__(self, loc: Tensor, a: Tensor, b: Tensor):
         # Cache the pre-image: log q of the guide's own samples must use the exact noise, not a
@@ -121,21 +131,29 @@ class AutoKroneckerFlow(AutoGuide):
     Args:
         model: a Pyro model (a ``PyroModule`` BNN with ``PyroSample`` weights works as is).
         kind: ``"diag"``, ``"linear"`` or ``"nonlinear"``.
-        flow: the K-Nonlinear flow: ``"realnvp"`` (volume-preserving coupling, the paper's),
-            ``"affine_coupling"`` or ``"iaf"``.
+        flow: the K-Nonlinear flow of every column and row: ``"additive_coupling"``
+            (volume-preserving, NICE; the paper's), ``"affine_coupling"`` (RealNVP) or ``"iaf"``
+            (affine autoregressive). ``"realnvp"`` is a deprecated name of ``"additive_coupling"``.
         hidden_dims: hidden sizes of the flows' conditioner networks.
         init_loc_fn: initial values of the locations (Pyro's init strategies).
-        init_scale: initial posterior standard deviation of every entry.
-        create_plates: as for every ``AutoGuide``.
+        init_scale: initial posterior standard deviation of every unconstrained entry.
+        create_plates: as for every ``AutoGuide`` (e.g. to pass the model's subsample indices).
 
-    Matrix sites must not sit inside plates (weights are global). A model without matrix
-    sites gets a warning and a purely diagonal guide.
+    Attributes:
+        matrix_sites: ``{name: (n, p)}`` of the sites given a Kronecker posterior (after the
+            first call); empty for a model without matrix sites, which then gets ``AutoNormal``'s
+            family.
+        quantile_samples: draws behind the Monte Carlo :meth:`quantiles` of ``"nonlinear"``
+            matrix sites (default 4096).
     """
 
-    def __init__(self, model, kind: str = "nonlinear", flow: str = "realnvp", hidden_dims: tuple[int, ...] = (32,), init_loc_fn=init_to_median, init_scale: float = 0.1, create_plates=None):
+    quantile_samples = 4096
+
+    def __init__(self, model, kind: str = "nonlinear", flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,), init_loc_fn=init_to_median, init_scale: float = 0.1, create_plates=None):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if not init_scale > 0:
+        flow = canonical_flow(flow)
+        if not (isinstance(init_scale, (int, float)) and init_scale > 0):
             raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
         self.kind, self.flow, self.hidden_dims = kind, flow, tuple(hidden_dims)
         self.init_loc_fn, self._init_scale = init_loc_fn, float(init_scale)
@@ -146,66 +164,79 @@ class AutoKroneckerFlow(AutoGuide):
     # --- parameters -------------------------------------------------------------------------
     def _setup_prototype(self, *args, **kwargs) -> None:
         super()._setup_prototype(*args, **kwargs)
-        self.locs, self.scales, self.flows = PyroModule(), PyroModule(), PyroModule()
-        self._matrix_shapes: dict[str, tuple[int, int]] = {}
+        self.locs, self.scales = PyroModule(), PyroModule()
+        self.row_factors, self.col_factors, self.flows = PyroModule(), PyroModule(), PyroModule()
+        self.matrix_sites: dict[str, tuple[int, int]] = {}
         self._event_dims: dict[str, int] = {}
+        self._shapes: dict[str, torch.Size] = {}
+        self._device = None
         for name, site in self.prototype_trace.iter_stochastic_nodes():
-            fn = site["fn"]
-            unconstrained = biject_to(fn.support).inv(site["value"].detach())
-            event_dim = fn.event_dim
-            self._event_dims[name] = event_dim
-            key = name.replace(".", "__")
-            if event_dim >= 2:
-                batch = unconstrained.shape[: unconstrained.dim() - event_dim]
-                if len(batch) and batch.numel() > 1:
-                    raise ValueError(f"matrix site {name!r} has batch shape {tuple(batch)}; AutoKroneckerFlow needs global weight matrices")
-                shape = unconstrained.shape[unconstrained.dim() - event_dim :]
-                n, p = shape[0], math.prod(shape[1:])
-                self._matrix_shapes[name] = (n, p)
-                setattr(self.locs, key, PyroParam(unconstrained.reshape(n, p)))
-                # The entry scale init_scale is split evenly between the row and column factors.
-                s = math.sqrt(self._init_scale)
-                if self.kind == "diag":
-                    setattr(self.scales, key + "_row", PyroParam(unconstrained.new_full((n,), s), constraints.positive))
-                    setattr(self.scales, key + "_col", PyroParam(unconstrained.new_full((p,), s), constraints.positive))
-                else:
-                    setattr(self.scales, key + "_row", PyroParam(_tril_init(n, s, unconstrained)))
-                    setattr(self.scales, key + "_col", PyroParam(_tril_init(p, s, unconstrained)))
-                if self.kind == "nonlinear":
-                    # Built on the site's device (not on the default one and then copied over).
-                    with torch.device(unconstrained.device):
-                        flow = kronecker_nonlinear(n, p, self.flow, self.hidden_dims)
-                    setattr(self.flows, key, flow.to(unconstrained.dtype))
+            self._device = self._device or site["value"].device
+            with helpful_support_errors(site):
+                loc = biject_to(site["fn"].support).inv(site["value"].detach()).detach()
+            event_dim = site["fn"].event_dim + loc.dim() - site["value"].dim()
+            # Subsampled plates: parameters get the plate's full size, as in AutoNormal.
+            for frame in site["cond_indep_stack"]:
+                full_size = frame.full_size or frame.size
+                if full_size != frame.size:
+                    loc = periodic_repeat(loc, full_size, frame.dim - event_dim).contiguous()
+            self._event_dims[name], self._shapes[name] = event_dim, loc.shape
+            if event_dim < 2:
+                deep_setattr(self.locs, name, PyroParam(loc, constraints.real, event_dim))
+                deep_setattr(self.scales, name, PyroParam(torch.full_like(loc, self._init_scale), constraints.positive, event_dim))
+                continue
+            batch, event = loc.shape[: loc.dim() - event_dim], loc.shape[loc.dim() - event_dim :]
+            n, p = event[0], math.prod(event[1:])
+            self.matrix_sites[name] = (n, p)
+            deep_setattr(self.locs, name, PyroParam(loc.reshape(batch + (n, p)), constraints.real, 2))
+            # The entry scale init_scale is split evenly between the row and column factors.
+            s = math.sqrt(self._init_scale)
+            if self.kind == "diag":
+                row, col, constraint = loc.new_full(batch + (n,), s), loc.new_full(batch + (p,), s), constraints.positive
             else:
-                setattr(self.locs, key, PyroParam(unconstrained))
-                setattr(self.scales, key, PyroParam(torch.full_like(unconstrained, self._init_scale), constraints.positive))
-        if not self._matrix_shapes:
-            warnings.warn("AutoKroneckerFlow: the model has no matrix-valued latent sites; every site gets a diagonal normal", stacklevel=2)
+                row, col, constraint = _tril_init(n, s, loc, batch), _tril_init(p, s, loc, batch), constraints.real
+            deep_setattr(self.row_factors, name, PyroParam(row, constraint, 1))
+            deep_setattr(self.col_factors, name, PyroParam(col, constraint, 1))
+            if self.kind == "nonlinear":
+                with torch.device(loc.device):  # built where the site lives, not on the default device
+                    flow = kronecker_nonlinear(n, p, self.flow, self.hidden_dims)
+                deep_setattr(self.flows, name, flow.to(loc.dtype))
 
     def _factors(self, name: str) -> tuple[Tensor, Tensor]:
-        key = name.replace(".", "__")
-        n, p = self._matrix_shapes[name]
-        row, col = getattr(self.scales, key + "_row"), getattr(self.scales, key + "_col")
+        n, p = self.matrix_sites[name]
+        row, col = attrgetter(name)(self.row_factors), attrgetter(name)(self.col_factors)
         if self.kind == "diag":
             return torch.diag_embed(row), torch.diag_embed(col)
         return factor_from_params(row, n), factor_from_params(col, p)
 
-    def _posterior(self, name: str, site) -> dist.Distribution:
-        """The guide's distribution of the unconstrained value of ``name``."""
-        key = name.replace(".", "__")
-        loc = getattr(self.locs, key)
-        if name not in self._matrix_shapes:
-            return dist.Normal(loc, getattr(self.scales, key)).to_event(self._event_dims[name])
+    def _posterior(self, name: str) -> dist.Distribution:
+        """The guide's distribution of the unconstrained value of ``name`` (inside its plates:
+        subsampled to the active minibatch)."""
+        loc = attrgetter(name)(self.locs)
+        if name not in self.matrix_sites:
+            return dist.Normal(loc, attrgetter(name)(self.scales)).to_event(self._event_dims[name])
         a, b = self._factors(name)
-        shape = site["fn"].event_shape
-        reshape = [] if len(shape) == 2 else [ReshapeTransform(loc.shape, shape, cache_size=1)]
+        event = self._shapes[name][len(self._shapes[name]) - self._event_dims[name] :]
+        reshape = [] if len(event) == 2 else [ReshapeTransform(loc.shape[-2:], event, cache_size=1)]
         if self.kind == "nonlinear":
             noise = dist.Normal(torch.zeros_like(loc), 1.0).to_event(2)
-            parts = [getattr(self.flows, key), _KroneckerAffine(loc, a, b.transpose(-1, -2))] + reshape
+            parts = [attrgetter(name)(self.flows), _KroneckerAffine(loc, a, b.transpose(-1, -2))] + reshape
             return dist.TransformedDistribution(noise, parts)
-        # W = M + A E B with B upper triangular is the MatrixNormal with column factor B^T.
-        base = MatrixNormal(loc, a, b)
+        base = MatrixNormal(loc, a, b)  # U = M + A E B^T
         return dist.TransformedDistribution(base, reshape) if reshape else base
+
+    def _create_plates(self, *args, **kwargs) -> dict:
+        # Pyro's AutoGuide makes its subsampling plates without a device, so their indices are
+        # drawn on the default device; draw them where the sites live.
+        if self.master is None:
+            plates = self.create_plates(*args, **kwargs) if self.create_plates is not None else []
+            plates = [plates] if isinstance(plates, pyro.plate) else list(plates)
+            self.plates = {p.name: p for p in plates}
+            for name, frame in sorted(self._prototype_frames.items()):
+                if name not in self.plates:
+                    self.plates[name] = pyro.plate(name, frame.full_size or frame.size, dim=frame.dim, subsample_size=frame.size, device=self._device)
+            return self.plates
+        return super()._create_plates(*args, **kwargs)
 
     # --- sampling ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs) -> dict[str, Tensor]:
@@ -219,67 +250,92 @@ class AutoKroneckerFlow(AutoGuide):
                 for frame in site["cond_indep_stack"]:
                     if frame.vectorized:
                         stack.enter_context(plates[frame.name])
-                posterior = self._posterior(name, site)
+                posterior = self._posterior(name)
                 if _is_identity(transform):
+                    # Sampled under the site's own name, so TraceMeanField_ELBO sees the
+                    # MatrixNormal and uses its closed-form KL.
                     result[name] = pyro.sample(name, posterior)
                     continue
                 unconstrained = pyro.sample(f"{name}_unconstrained", posterior, infer={"is_auxiliary": True})
                 value = transform(unconstrained)
-                log_density = transform.inv.log_abs_det_jacobian(value, unconstrained)
-                event_dim = self._event_dims[name]
-                log_density = _sum_rightmost(log_density, event_dim - transform.codomain.event_dim)
-                result[name] = pyro.sample(name, dist.Delta(value, log_density=log_density, event_dim=event_dim))
+                if poutine.get_mask() is False:
+                    log_density = 0.0
+                else:
+                    log_density = transform.inv.log_abs_det_jacobian(value, unconstrained)
+                    log_density = sum_rightmost(log_density, log_density.dim() - value.dim() + site["fn"].event_dim)
+                result[name] = pyro.sample(name, dist.Delta(value, log_density=log_density, event_dim=site["fn"].event_dim))
         return result
+
+    def _unconstrained_median(self, name: str) -> Tensor:
+        loc = attrgetter(name)(self.locs)
+        if self.kind == "nonlinear" and name in self.matrix_sites:
+            loc = ComposeTransform(self._posterior(name).transforms[:2])(torch.zeros_like(loc))
+        return loc.reshape(self._shapes[name])
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, Tensor]:
-        """Posterior medians; for ``"nonlinear"`` the image of the noise median ``E = 0``."""
+        """Posterior medians of every site, full size (not subsampled), detached copies.
+
+        For ``"nonlinear"`` matrix sites: the image of the noise median ``E = 0``.
+        """
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         out = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
-            key = name.replace(".", "__")
-            loc = getattr(self.locs, key)
-            if self.kind == "nonlinear" and name in self._matrix_shapes:
-                posterior = self._posterior(name, site)
-                loc = ComposeTransform(posterior.transforms)(torch.zeros_like(loc))
-            out[name] = biject_to(site["fn"].support)(loc.reshape(site["value"].shape))
+            loc = self._unconstrained_median(name)
+            out[name] = biject_to(site["fn"].support)(loc).detach().clone()
         return out
-
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, Tensor]:
         """Marginal quantiles of every site, ``(len(quantiles), *site_shape)``.
 
-        Exact for ``"diag"`` and ``"linear"`` (each entry of a matrix normal is normal with
-        variance ``U_ii V_jj``, and the support transform is monotone); not defined for
-        ``"nonlinear"`` (the flow's marginals have no closed form).
+        Exact for diagonal-normal sites and for ``"diag"``/``"linear"`` matrix sites (each entry of
+        a matrix normal is normal with variance ``(A A^T)_ii (B B^T)_jj``, and the support
+        transform is monotone). For ``"nonlinear"`` matrix sites the flow's marginals have no
+        closed form: they are the sample quantiles of ``quantile_samples`` draws from a fixed seed
+        (so repeated calls agree; standard error ``sqrt(q (1 - q) / S) / density``, and memory
+        ``S n p``), which leaves the global random state untouched.
         """
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
-        if self.kind == "nonlinear" and self._matrix_shapes:
-            raise NotImplementedError("AutoKroneckerFlow.quantiles is not defined for kind='nonlinear'")
         out = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
-            key = name.replace(".", "__")
-            loc = getattr(self.locs, key)
-            if name in self._matrix_shapes:
+            loc = attrgetter(name)(self.locs)
+            q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device)
+            shape = self._shapes[name]
+            if name not in self.matrix_sites:
+                values = dist.Normal(loc, attrgetter(name)(self.scales)).icdf(q.reshape((-1,) + (1,) * loc.dim()))
+            elif self.kind == "nonlinear":
+                values = _sample_quantiles(self._posterior(name), q, self.quantile_samples)
+            else:
                 a, b = self._factors(name)
                 scale = (a.square().sum(-1).unsqueeze(-1) * b.square().sum(-1).unsqueeze(-2)).sqrt()
-            else:
-                scale = getattr(self.scales, key)
-            q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device).reshape((-1,) + (1,) * loc.dim())
-            values = dist.Normal(loc, scale).icdf(q)
-            out[name] = biject_to(site["fn"].support)(values.reshape((-1,) + site["value"].shape))
+                values = dist.Normal(loc, scale).icdf(q.reshape((-1,) + (1,) * loc.dim()))
+            out[name] = biject_to(site["fn"].support)(values.reshape((-1,) + shape))
         return out
+
+
+def _tril_init(size: int, scale: float, like: Tensor, batch: torch.Size) -> Tensor:
+    rows, cols = torch.tril_indices(size, size, device=like.device)
+    params = torch.where(rows == cols, math.log(scale), 0.0).to(like.dtype)
+    return params.expand(batch + params.shape).clone()
+
+
+def _sample_quantiles(posterior: dist.TransformedDistribution, q: Tensor, num_samples: int) -> Tensor:
+    """Sample quantiles (linear interpolation, as ``torch.quantile``) of draws from a fixed seed."""
+    base = posterior.base_dist.base_dist
+    generator = torch.Generator(device=base.loc.device).manual_seed(0)
+    noise = torch.randn((num_samples,) + base.loc.shape, generator=generator, device=base.loc.device, dtype=base.loc.dtype)
+    draws = ComposeTransform(posterior.transforms)(noise).sort(0).values
+    position = q.clamp(0, 1) * (num_samples - 1)
+    lower = position.floor().long().clamp(max=num_samples - 2)
+    frac = (position - lower).reshape((-1,) + (1,) * (draws.dim() - 1))
+    return draws[lower] + frac * (draws[lower + 1] - draws[lower])
 
 
 def _is_identity(transform: Transform) -> bool:
     base = transform
     while isinstance(base, torch.distributions.transforms.IndependentTransform):
         base = base.base_transform
-    return base == torch.distributions.transforms.identity_transform or isinstance(base, torch.distributions.transforms.ComposeTransform) and not base.parts
-
-
-def _sum_rightmost(x: Tensor, dims: int) -> Tensor:
-    return x.sum(list(range(-dims, 0))) if dims > 0 else x
+    return base == torch.distributions.transforms.identity_transform or isinstance(base, ComposeTransform) and not base.parts

@@ -1,6 +1,6 @@
 r"""Invertible maps of matrices applied column by column and row by row (K-Nonlinear flows).
 
-The K-Nonlinear posterior of a weight matrix (MATH.md section 3) pushes an ``n x p`` noise
+The K-Nonlinear posterior of a weight matrix pushes an ``n x p`` noise
 matrix ``E`` through an invertible ``g_A: R^n -> R^n`` applied to every column and an invertible
 ``g_B: R^p -> R^p`` applied to every row, ``G(E) = G_B(G_A(E^T)^T)``, before a K-Linear or K-Diag
 layer. After a permutation the Jacobian of ``vec G_A`` is block diagonal with one block per
@@ -9,13 +9,13 @@ small determinants instead of one ``np x np`` one, and ``O(n^2 + p^2)`` flow par
 
 :class:`ColumnwiseTransform` and :class:`RowwiseTransform` lift any vector transform of Pyro
 (``AffineCoupling``, ``AffineAutoregressive`` (IAF), ...) to matrices; :class:`AdditiveCoupling`
-is the volume-preserving (NICE-style) coupling used by the paper. :func:`kronecker_nonlinear`
+is the volume-preserving (NICE) coupling used by the K-Nonlinear paper. :func:`kronecker_nonlinear`
 builds ``G`` for a given shape.
 
 Example:
     >>> import torch
     >>> from pyro_smc.guides.matrix_transforms import kronecker_nonlinear
-    >>> g = kronecker_nonlinear(4, 3, flow="realnvp")
+    >>> g = kronecker_nonlinear(4, 3, flow="additive_coupling")
     >>> E = torch.randn(5, 4, 3)
     >>> W = g(E)
     >>> W.shape, g.log_abs_det_jacobian(E, W).shape
@@ -26,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+
 import pyro.distributions.transforms as T
 import torch
 from pyro.distributions.torch_transform import TransformModule
@@ -33,7 +35,9 @@ from pyro.nn import DenseNN
 from torch import Tensor, nn
 from torch.distributions import constraints
 
-__all__ = ["AdditiveCoupling", "ColumnwiseTransform", "RowwiseTransform", "kronecker_nonlinear"]
+__all__ = ["FLOWS", "AdditiveCoupling", "ColumnwiseTransform", "RowwiseTransform", "canonical_flow", "kronecker_nonlinear"]
+
+FLOWS = ("additive_coupling", "affine_coupling", "iaf")
 
 
 class AdditiveCoupling(TransformModule):
@@ -48,6 +52,7 @@ class AdditiveCoupling(TransformModule):
     domain = constraints.real_vector
     codomain = constraints.real_vector
     bijective = True
+    sign = +1  # volume preserving
 
     def __init__(self, input_dim: int, hidden_dims: tuple[int, ...] = (32,), split_dim: int | None = None):
         super().__init__(cache_size=1)
@@ -77,6 +82,8 @@ class _MatrixLift(TransformModule):
     domain = constraints.independent(constraints.real, 2)
     codomain = constraints.independent(constraints.real, 2)
     bijective = True
+    # Every flow here has a positive Jacobian determinant (``sign`` must exist for JIT tracing).
+    sign = +1
     columns = False
 
     def __init__(self, base: T.Transform):
@@ -109,28 +116,47 @@ class ColumnwiseTransform(_MatrixLift):
     columns = True
 
 
-def _vector_flow(dim: int, flow: str, hidden_dims: tuple[int, ...]) -> T.Transform:
+class _AffineCoupling(T.AffineCoupling):
+    """Pyro's ``AffineCoupling`` (RealNVP) with the ``sign`` that JIT tracing of a module reads."""
+
+    sign = +1  # the Jacobian is triangular with diagonal exp(log_scale)
+
+
+def canonical_flow(flow: str) -> str:
+    """Checks a flow name; maps the deprecated ``"realnvp"`` to ``"additive_coupling"`` with a warning."""
     if flow == "realnvp":
+        warnings.warn("flow='realnvp' is deprecated: it is the volume-preserving additive (NICE) coupling, now called "
+                      "flow='additive_coupling'; RealNVP's affine coupling is flow='affine_coupling'", FutureWarning, stacklevel=3)
+        return "additive_coupling"
+    if flow not in FLOWS:
+        raise ValueError(f"flow must be one of {FLOWS}, got {flow!r}")
+    return flow
+
+
+def _vector_flow(dim: int, flow: str, hidden_dims: tuple[int, ...]) -> T.Transform:
+    if flow == "additive_coupling":
         return AdditiveCoupling(dim, hidden_dims)
     if flow == "affine_coupling":
-        return T.affine_coupling(dim, hidden_dims=list(hidden_dims))
-    if flow == "iaf":
-        return T.affine_autoregressive(dim, hidden_dims=list(hidden_dims))
-    raise ValueError(f"flow must be 'realnvp', 'affine_coupling' or 'iaf', got {flow!r}")
+        split = dim // 2
+        net = DenseNN(split, list(hidden_dims), param_dims=[dim - split, dim - split])
+        return _AffineCoupling(split, net)
+    return T.affine_autoregressive(dim, hidden_dims=list(hidden_dims))
 
 
-def kronecker_nonlinear(n: int, p: int, flow: str = "realnvp", hidden_dims: tuple[int, ...] = (32,)) -> T.ComposeTransformModule:
+def kronecker_nonlinear(n: int, p: int, flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,)) -> T.ComposeTransformModule:
     """``G(E) = G_B(G_A(E^T)^T)`` for ``(..., n, p)`` noise matrices.
 
     Args:
         n, p: matrix shape; a side of length 1 gets no flow (a 1-d map has nothing to couple).
-        flow: ``"realnvp"`` (volume-preserving additive coupling, the paper's choice),
-            ``"affine_coupling"`` (RealNVP with scales) or ``"iaf"`` (affine autoregressive).
+        flow: ``"additive_coupling"`` (volume-preserving, NICE; the paper's choice),
+            ``"affine_coupling"`` (RealNVP) or ``"iaf"`` (affine autoregressive);
+            ``"realnvp"`` is a deprecated name of ``"additive_coupling"``.
         hidden_dims: hidden sizes of each flow's conditioner network.
 
     Returns:
         A ``ComposeTransformModule`` with event dim 2 whose parameters are the flows'.
     """
+    flow = canonical_flow(flow)
     parts = []
     if n >= 2:
         parts.append(ColumnwiseTransform(_vector_flow(n, flow, hidden_dims)))

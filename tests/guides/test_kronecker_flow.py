@@ -89,8 +89,8 @@ def test_linear_guide_at_the_exact_posterior_gives_the_exact_evidence():
     guide(x, y)
     with torch.no_grad():
         guide.locs.w.copy_(mean)
-        guide.scales.w_row.copy_(params_from_factor(chol))
-        guide.scales.w_col.copy_(params_from_factor(torch.eye(2)))
+        guide.row_factors.w.copy_(params_from_factor(chol))
+        guide.col_factors.w.copy_(params_from_factor(torch.eye(2)))
     log_evidence = _exact_log_evidence(x, y)
     elbos = [-Trace_ELBO().loss(known_noise_regression, guide, x, y) for _ in range(5)]
     assert all(abs(e - log_evidence) < 1e-8 for e in elbos)
@@ -112,20 +112,147 @@ def test_state_dict_round_trip_and_median():
 def test_bad_input():
     with pytest.raises(ValueError, match="kind"):
         AutoKroneckerFlow(regression, kind="full")
+    with pytest.raises(ValueError, match="flow"):
+        AutoKroneckerFlow(regression, flow="glow")
+    with pytest.raises(ValueError, match="init_scale"):
+        AutoKroneckerFlow(regression, init_scale=0.0)
 
+
+def test_model_without_matrix_sites_is_autonormal_without_a_warning():
+    # A drop-in must not turn a Pyro test suite run with warnings as errors into failures.
     def vector_model():
         pyro.sample("z", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
 
     guide = AutoKroneckerFlow(vector_model)
-    with pytest.warns(UserWarning, match="no matrix-valued"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         guide()
+    assert guide.matrix_sites == {}
+    assert set(dict(guide.named_parameters())) == {"locs.z", "scales.z_unconstrained"} or len(list(guide.parameters())) == 2
 
-    def plated_matrices():
-        with pyro.plate("layers", 2):
-            pyro.sample("w", dist.Normal(0.0, 1.0).expand([2, 3, 3]).to_event(2))
 
-    with pytest.raises(ValueError, match="'w'"):
-        AutoKroneckerFlow(plated_matrices)()
+@pytest.mark.parametrize("kind", KINDS)
+def test_unsupported_supports_get_pyros_helpful_errors(kind):
+    def discrete():
+        pyro.sample("coin", dist.Bernoulli(0.5))
+
+    def spherical():
+        pyro.sample("direction", dist.ProjectedNormal(torch.ones(3)))
+
+    with pytest.raises(ValueError, match="discrete sample site 'coin'"):
+        AutoKroneckerFlow(discrete, kind=kind)()
+    with pytest.raises(ValueError, match="spherical sample site 'direction'"):
+        AutoKroneckerFlow(spherical, kind=kind)()
+
+
+def test_realnvp_is_a_deprecated_name_of_the_additive_coupling():
+    from pyro_smc.guides.matrix_transforms import AdditiveCoupling, kronecker_nonlinear
+
+    with pytest.warns(FutureWarning, match="additive_coupling"):
+        guide = AutoKroneckerFlow(regression, flow="realnvp", hidden_dims=(8,))
+    assert guide.flow == "additive_coupling"
+    assert isinstance(kronecker_nonlinear(3, 4, "additive_coupling")[0].base, AdditiveCoupling)
+    # "affine_coupling" is RealNVP proper: once its scale network moves, volume is not preserved.
+    g = kronecker_nonlinear(3, 4, "affine_coupling", (8,))
+    with torch.no_grad():
+        for q in g.parameters():
+            q.add_(0.5)
+    e = torch.randn(3, 4)
+    assert g.log_abs_det_jacobian(e, g(e)).abs() > 1e-3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matrix_sites_are_decided_on_the_unconstrained_value(kind):
+    # LKJCholesky's value is a 2x2 matrix but its unconstrained value a 1-vector: a vector site.
+    # A positive matrix (LogNormal) is a matrix site; so are matrices inside a plate.
+    def model():
+        pyro.sample("corr", dist.LKJCholesky(2, 1.0))
+        pyro.sample("w", dist.LogNormal(0.0, 1.0).expand([3, 2]).to_event(2))
+        with pyro.plate("groups", 4):
+            pyro.sample("v", dist.Normal(0.0, 1.0).expand([4, 2, 3]).to_event(2))
+
+    guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(4,))
+    sample = guide()
+    assert guide.matrix_sites == {"w": (3, 2), "v": (2, 3)}
+    assert sample["corr"].shape == (2, 2) and sample["w"].shape == (3, 2) and sample["v"].shape == (4, 2, 3)
+    torch.testing.assert_close(sample["corr"] @ sample["corr"].T, sample["corr"] @ sample["corr"].T)
+    assert torch.allclose((sample["corr"] @ sample["corr"].T).diagonal(), torch.ones(2))
+    median = guide.median()
+    assert median["corr"].shape == (2, 2) and median["v"].shape == (4, 2, 3) and (median["w"] > 0).all()
+    # Under vectorised particles a value gains exactly one leading dim (and the plate's).
+    draws = Predictive(model, guide=guide, num_samples=10, parallel=True)()
+    assert draws["corr"].shape == (10, 1, 2, 2) and draws["v"].shape == (10, 4, 2, 3)
+    # Each plate element has its own factors.
+    assert guide.row_factors.v.shape[0] == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_median_returns_detached_copies(kind):
+    x, y = _data()
+    guide = AutoKroneckerFlow(regression, kind=kind, hidden_dims=(8,))
+    guide(x, y)
+    median = guide.median(x, y)
+    assert not any(v.requires_grad for v in median.values())
+    median["w"].add_(100.0)
+    assert (guide.median(x, y)["w"] - median["w"]).abs().min() > 99
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_subsampled_local_latents_have_full_size_parameters(kind):
+    # Each of 50 points has its own mean z_i (scalar) and matrix m_i; the plate subsamples 20 a
+    # step. The guide must keep 50 of each and learn every one, not share the first minibatch's.
+    data = torch.linspace(-2.0, 2.0, 50)
+
+    def model():
+        with pyro.plate("data", 50, subsample_size=20) as idx:
+            z = pyro.sample("z", dist.Normal(0.0, 3.0))
+            m = pyro.sample("m", dist.Normal(0.0, 1.0).expand([2, 2]).to_event(2))
+            pyro.sample("y", dist.Normal(z, 0.1), obs=data[idx])
+            pyro.sample("y_m", dist.Normal(m, 0.1).to_event(2), obs=data[idx, None, None].expand(-1, 2, 2))
+
+    pyro.set_rng_seed(0)
+    guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(4,))
+    svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
+    for _ in range(600):
+        svi.step()
+    median = guide.median()
+    assert median["z"].shape == (50,) and median["m"].shape == (50, 2, 2)
+    # Posterior means: the data shrunk by the prior (noise sd 0.1 against prior sds 3 and 1), up to
+    # Adam's noise: within 3 posterior sds (0.1). Shared parameters would miss by up to 4.
+    assert (median["z"] - data).abs().max() < 0.3
+    assert (median["m"] - data[:, None, None] / 1.01).abs().max() < 0.3
+
+
+def test_user_subsample_indices_select_the_parameters():
+    def model(idx):
+        with pyro.plate("data", 50, subsample=idx):
+            pyro.sample("m", dist.Normal(0.0, 1.0).expand([2, 2]).to_event(2))
+
+    guide = AutoKroneckerFlow(model, kind="linear", create_plates=lambda idx: pyro.plate("data", 50, subsample=idx))
+    guide(torch.arange(20))
+    with torch.no_grad():
+        guide.locs.m.copy_(torch.arange(50.0)[:, None, None].expand(50, 2, 2))
+        guide.row_factors.m.fill_(-30.0)  # log scale: a point mass at the location
+    for idx in (torch.arange(10), torch.tensor([49, 3, 7])):
+        draw = guide(idx)["m"]
+        assert draw.shape == (len(idx), 2, 2)
+        torch.testing.assert_close(draw, idx.to(draw.dtype)[:, None, None].expand(-1, 2, 2))
+
+
+@pytest.mark.parametrize("flow", ["additive_coupling", "affine_coupling", "iaf"])
+def test_nonlinear_guide_is_jit_traceable(flow):
+    from pyro.infer import JitTrace_ELBO
+
+    x, y = _data()
+    guide = AutoKroneckerFlow(regression, kind="nonlinear", flow=flow, hidden_dims=(8,))
+    svi = SVI(regression, guide, pyro.optim.Adam({"lr": 0.01}), JitTrace_ELBO(ignore_jit_warnings=True))
+    assert all(math.isfinite(svi.step(x, y)) for _ in range(3))
+    predictive = Predictive(regression, guide=guide, num_samples=7, return_sites=["w", "y"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace_module(predictive, {"call": (x,)}, check_trace=False)
+    w, y_pred = traced.call(x)
+    assert w.shape == (7, 1, 3, 2) and y_pred.shape == (7, 30, 2)
 
 
 class BNN(pyro.nn.PyroModule):
@@ -157,7 +284,7 @@ def test_pyro_module_bnn_with_minibatches(kind):
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.02}), Trace_ELBO())
     losses = [svi.step(x, y, batch_size=10) for _ in range(5)]
     assert all(math.isfinite(v) for v in losses)
-    assert set(guide._matrix_shapes) == {"fc1.weight", "fc2.weight"}
+    assert guide.matrix_sites == {"fc1.weight": (4, 3), "fc2.weight": (2, 4)}
     assert guide.median(x)["fc1.weight"].shape == (4, 3)
 
 
@@ -190,7 +317,7 @@ def test_nonlinear_log_density_equals_the_brute_force_change_of_variables():
         for q in guide.parameters():
             q.add_(0.3 * torch.randn(q.shape, generator=g))
     site = next(guide.prototype_trace.iter_stochastic_nodes())[1]
-    posterior = guide._posterior("w", site)
+    posterior = guide._posterior("w")
     E = torch.randn(3, 4, generator=g)
     transform = torch.distributions.transforms.ComposeTransform(posterior.transforms)
     W = transform(E)
@@ -217,8 +344,29 @@ def test_quantiles_match_sample_quantiles(kind):
     # Sample quantiles of 4000 normal draws: sd about 1.7 sigma / sqrt(n) at the 10 % level.
     sd = draws.std(0)
     assert ((empirical - quantiles["w"][[0, 2]]).abs() < 5 * 1.7 * sd / math.sqrt(4000)).all()
-    with pytest.raises(NotImplementedError):
-        AutoKroneckerFlow(regression, kind="nonlinear").quantiles([0.5], x, y)
+
+
+def test_nonlinear_quantiles_are_monte_carlo_and_reproducible():
+    x, y = _data()
+    linear = AutoKroneckerFlow(regression, kind="linear")
+    linear(x, y)
+    guide = AutoKroneckerFlow(regression, kind="nonlinear", hidden_dims=(8,))
+    guide(x, y)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the same locations and factors; the flows stay the identity
+        for name in ("locs.w", "row_factors.w", "col_factors.w"):
+            q = guide.get_parameter(name)
+            q.copy_(linear.get_parameter(name).add_(0.2 * torch.randn(q.shape, generator=g)))
+    state = torch.get_rng_state()
+    quantiles = guide.quantiles([0.1, 0.5, 0.9])
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.testing.assert_close(guide.quantiles([0.1, 0.5, 0.9])["w"], quantiles["w"])
+    exact = linear.quantiles([0.1, 0.5, 0.9])["w"]
+    # A sample quantile of S normal draws has sd sqrt(q (1 - q) / S) / pdf(z_q) sigma.
+    S, sigma = guide.quantile_samples, (exact[2] - exact[0]) / (2 * 1.2816)
+    se = torch.tensor([0.3 / 0.1755, 0.5 / 0.3989, 0.3 / 0.1755])[:, None, None] / math.sqrt(S) * sigma
+    assert ((quantiles["w"] - exact).abs() < 5 * se).all()
+    assert quantiles["s"].shape == (3,)
 
 
 @pytest.mark.parametrize("kind", ["diag", "linear", "nonlinear"])

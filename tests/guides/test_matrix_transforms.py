@@ -18,7 +18,7 @@ def _brute_force_logdet(transform, E):
     return torch.linalg.slogdet(jac)[1]
 
 
-@pytest.mark.parametrize("flow", ["realnvp", "affine_coupling", "iaf"])
+@pytest.mark.parametrize("flow", ["additive_coupling", "affine_coupling", "iaf"])
 @pytest.mark.parametrize("shape", [(3, 4), (4, 3), (1, 5), (5, 1), (2, 2)])
 def test_log_det_equals_brute_force_slogdet(flow, shape):
     g = kronecker_nonlinear(*shape, flow=flow, hidden_dims=(8,))
