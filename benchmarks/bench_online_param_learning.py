@@ -11,7 +11,7 @@ Methods (the same observations, the same start, the same step sizes
 
 * ``vf``: ``pyro_smc.OnlineVariationalFilter(DiagonalLinearGaussianSSM, StreamingFilterGuide(10),
   learn_parameters=True)``: ``theta <- theta + eta_t (G_t - G_{t-1})`` with ``G_t`` the regressed
-  ELBO gradient (MATH.md section 4). Guide with diagonal covariance and linear backward kernels
+  ELBO gradient. Guide with diagonal covariance and linear backward kernels
   (exact here: every matrix is diagonal), quadratic regressors (exact for linear-Gaussian value
   and score functions), ``initialize="laplace"``.
 * ``rmle`` (the anchor): exact Kalman recursive maximum likelihood,

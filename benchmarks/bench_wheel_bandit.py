@@ -371,8 +371,8 @@ def main():
     write_results("wheel_bandit" if args.elbo == "meanfield" else "wheel_bandit.trace_elbo", {
         "protocol": protocol,
         "reference": {
-            "kronecker_flow_paper_table4": "not available: Table 4's numbers are not in our text extraction of the paper "
-                                           "(../shared/papers/002_36e93d1937bf654c.txt), and its text lists only 'real-world' "
+            "kronecker_flow_paper_table4": "not available: Table 4's numbers are not in the text of the paper we could read offline, "
+                                           "and that text lists only 'real-world' "
                                            "bandit problems from Riquelme et al.",
             "riquelme_2018_wheel_table": "not found offline (search of stored pages and code returned the paper's abstract "
                                          "and code, not its wheel-bandit table)",

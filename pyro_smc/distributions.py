@@ -6,7 +6,7 @@ standard normal entries; row covariance ``U = L_row L_row^T``, column covariance
 
     vec(W) ~ N(vec(M), V kron U)            (NumPyro's convention).
 
-MATH.md section 3 writes the K-Linear layer as ``W = M + A E B`` with
+The Kronecker-flow guides write the K-Linear layer as ``W = M + A E B`` with
 ``vec(W) ~ N(vec(M), (B^T B) kron (A A^T))``: that is ``L_row = A`` and ``L_col = B^T``.
 The Kronecker algebra lives in :mod:`pyro_smc.ops.kronecker`.
 
@@ -66,7 +66,7 @@ class MatrixNormal(TorchDistribution):
 
     ``W = loc + L_row E L_col^T`` with ``E_ij ~ N(0, 1)`` i.i.d., so ``vec(W) ~ N(vec(loc), V kron U)``
     with ``U = L_row L_row^T`` (``n x n``, covariance between rows) and ``V = L_col L_col^T``
-    (``p x p``, covariance between columns), ``vec`` column-major. In MATH.md's ``W = M + A E B``,
+    (``p x p``, covariance between columns), ``vec`` column-major. In the K-Linear form ``W = M + A E B``,
     ``L_row = A`` and ``L_col = B^T``.
 
     The log-density is computed by triangular solves, never forming the ``np x np`` covariance:

@@ -2,7 +2,7 @@ r"""The backward-factorised variational family of online variational filtering.
 
     q_t(x_{1:t}) = q_t(x_t) prod_{k < t} q_{k+1}(x_k | x_{k+1})
 
-(``../MATH.md`` section 4; Campbell, Shi, Rainforth and Doucet, 2021). ``q_t(x_t)`` is a Gaussian
+(Campbell, Shi, Rainforth and Doucet, 2021). ``q_t(x_t)`` is a Gaussian
 filtering marginal with diagonal or full covariance; each backward kernel ``q(x_{k} | x_{k+1})``
 is Gaussian with mean ``W x_{k+1} + b`` (``backward="linear"``) or ``W x_{k+1} + b +
 MLP(x_{k+1})`` (``backward="mlp"``, the MLP's last layer starts at zero so it starts linear).

@@ -2,7 +2,7 @@ r"""Iterated expectation-propagation smoothing for nonlinear Gaussian state-spac
 
 The posterior marginal of each state is a product of three Gaussian messages,
 ``q(x_t) = q_fwd(x_t) q_meas(x_t) q_bwd(x_t)``, stored in natural form ``(eta, Lambda)``
-(Deisenroth and Mohamed, 2012; MATH.md section 2). An EP update of message ``i`` removes it
+(Deisenroth and Mohamed, 2012). An EP update of message ``i`` removes it
 (the cavity ``q / q_i^alpha``), projects the cavity through the factor's nonlinearity (see
 :mod:`pyro_smc.infer.projections`) and puts back the message the projected factor implies.
 

@@ -2,7 +2,7 @@ r"""Online variational filtering and parameter learning, at constant cost per ob
 
 The variational smoothing distribution is backward-factorised (:class:`~pyro_smc.guides.StreamingFilterGuide`),
 ``q_t(x_{1:t}) = q_t(x_t) prod_k q_{k+1}(x_k | x_{k+1})``, and at time ``t`` only the current
-marginal and kernel ``phi_t`` are fitted (``../MATH.md`` section 4; Campbell, Shi, Rainforth and
+marginal and kernel ``phi_t`` are fitted (Campbell, Shi, Rainforth and
 Doucet, 2021). One :meth:`OnlineVariationalFilter.step` reads as its equations::
 
     delta(x_{t-1}, x_t) = log q_{t-1}(x_{t-1}) + log f(x_t | x_{t-1}) + log g(y_t | x_t)
@@ -76,7 +76,7 @@ _NEWTON_STEPS = 5
 
 
 def robbins_monro(lr: float) -> Callable[[int], float]:
-    """The step-size schedule ``eta_t = lr * 10 / (10 + t^0.6)`` (MATH.md section 4)."""
+    """The step-size schedule ``eta_t = lr * 10 / (10 + t^0.6)`` ."""
     return lambda t: lr * 10.0 / (10.0 + t**0.6)
 
 

@@ -4,7 +4,7 @@ Every Gaussian filter, smoother and EP update in pyro_smc reduces a nonlinear ma
 numbers, the mean ``mu_a``, covariance ``S_a`` and input-output covariance ``C = Cov[x, a]``
 of ``a`` under a Gaussian ``x``, and then treats the map as the implicit linear model
 ``a = J x + c + eps`` with ``J = C^T P^{-1}``, ``c = mu_a - J m`` and
-``Cov[eps] = S_a - J P J^T`` (MATH.md section 2). The three projections differ only in how they
+``Cov[eps] = S_a - J P J^T``. The three projections differ only in how they
 get the moments:
 
 * ``"linearization"`` (EKF/EKS; GP-EKS for GPs): ``J = df/dx`` at ``m`` by autograd (the GP

@@ -6,7 +6,7 @@ dimensions, written only by the model. A guide (proposal) has the same methods, 
 and samples the model's latent sites. Without a guide the model's own transition is the proposal
 (a bootstrap filter). Every ``pyro.infer.SMCFilter`` model runs unchanged.
 
-One step at time ``t`` reads as its equation (MATH.md, section 1)::
+One step at time ``t`` reads as its equation::
 
     propose x_t ~ q(. | x_{t-1}, y_t)                          (reparameterised where possible)
     log omega = log f(x_t | x_{t-1}) + log g(y_t | x_t) - log q(x_t | x_{t-1}, y_t)

@@ -8,7 +8,7 @@ posterior at ``x`` has mean ``m_a(x) = k_a(X, x)^T beta_a`` and variance
 ``v_a(x) = alpha_a^2 - k_a(X, x)^T (K_a + sigma_a^2 I)^{-1} k_a(X, x)``.
 
 For ``x ~ N(mu, S)`` and ``h_a = f_a(x)``, :func:`se_ard_moments` returns ``E[h]``, ``Cov[h]`` and
-``Cov[x, h]`` in closed form (MATH.md section 2), with ``nu_i = x_i - mu``:
+``Cov[x, h]`` in closed form, with ``nu_i = x_i - mu``:
 
 .. math::
 

@@ -1,6 +1,6 @@
 r"""Kronecker-structured products, solves, log-determinants and Gaussian terms without forming ``kron``.
 
-Convention (MATH.md section 3): a matrix ``X`` of shape ``(n, p)`` stands for the vector ``vec(X)``
+Convention: a matrix ``X`` of shape ``(n, p)`` stands for the vector ``vec(X)``
 of length ``n p`` that stacks its *columns* (column-major, Fortran order); in torch
 ``vec(X) = X.transpose(-1, -2).reshape(..., n * p)``. With this convention
 
