@@ -7,6 +7,7 @@ Not a benchmark itself. Every script in this folder imports it as ``_common`` (t
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -109,6 +110,49 @@ def timeit_interleaved(fns: dict, repeats: int = 5, warmup: int = 1, desc: str |
         name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "repeats": repeats}
         for name, ts in times.items()
     }
+
+
+def rotated_step_timing(steps: dict, rounds: int, warmup: int, baseline: str, round_args=None) -> dict:
+    """Times one call of every ``steps[name](*round_args())`` per round, the order rotated by one each round.
+
+    For SVI steps of several guides: alternating them step by step spreads drifts of machine load
+    evenly over them, so their ratios to ``baseline`` stay meaningful on a shared machine.
+    ``round_args`` (optional) draws the arguments of a round, shared by every contender (e.g. one
+    minibatch). The first ``warmup`` rounds are not timed.
+
+    Returns:
+        ``{"guides": {name: {step_s_median, step_s_q25, step_s_q75, ratio_vs_autonormal,
+        paired_ratio_median, finite}}, "wall_s", "load_average_before", "load_average_after"}``,
+        the ratios taken to ``baseline`` (the key keeps its historical name).
+    """
+    names = list(steps)
+    times = {g: [] for g in names}
+    finite = {g: True for g in names}
+    load_before = load_average()
+    t_start = time.perf_counter()
+    for r in range(warmup + rounds):
+        args = round_args() if round_args is not None else ()
+        k = r % len(names)
+        for g in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            loss = steps[g](*args)
+            dt = time.perf_counter() - t0
+            finite[g] = finite[g] and bool(math.isfinite(loss))
+            if r >= warmup:
+                times[g].append(dt)
+    wall = time.perf_counter() - t_start
+    base = statistics.median(times[baseline])
+    guides = {}
+    for g in names:
+        ts = times[g]
+        q1, _, q3 = statistics.quantiles(ts, n=4)
+        guides[g] = {
+            "step_s_median": statistics.median(ts), "step_s_q25": q1, "step_s_q75": q3,
+            "ratio_vs_autonormal": statistics.median(ts) / base,
+            "paired_ratio_median": statistics.median(t / b for t, b in zip(ts, times[baseline])),
+            "finite": finite[g],
+        }
+    return {"guides": guides, "wall_s": wall, "load_average_before": load_before, "load_average_after": load_average()}
 
 
 def load_average() -> list[float] | None:

@@ -66,7 +66,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 from sklearn.datasets import load_digits
 
-from _common import RESULTS, add_common_args, command, load_average, machine_info, print_table, progress, setup, write_results
+from _common import RESULTS, add_common_args, command, load_average, machine_info, print_table, progress, rotated_step_timing, setup, write_results
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
 ARCHS = ("mlp", "conv")
@@ -248,41 +248,18 @@ def timing_interleaved(arch: str, rounds: int, warmup: int, seed: int = 0) -> di
     assert n_store == sum(n_params.values()), f"param name collision: store {n_store} != guides {sum(n_params.values())}"
 
     gen = torch.Generator().manual_seed(2000 + seed)
-    times = {g: [] for g in GUIDES}
-    finite = {g: True for g in GUIDES}
-    load_before = load_average()
-    t_start = time.perf_counter()
-    for r in range(warmup + rounds):
-        idx = torch.randperm(xtr.shape[0], generator=gen)[:BATCH]  # the same minibatch for every guide
-        k = r % len(GUIDES)
-        for g in GUIDES[k:] + GUIDES[:k]:
-            t0 = time.perf_counter()
-            loss = svis[g].step(xtr, ytr, BATCH, idx)
-            dt = time.perf_counter() - t0
-            finite[g] = finite[g] and bool(np.isfinite(loss))
-            if r >= warmup:
-                times[g].append(dt)
-    wall = time.perf_counter() - t_start
-
-    base = statistics.median(times["AutoNormal"])
-    guides = {}
+    # The same minibatch for every guide within a round.
+    timed = rotated_step_timing({g: (lambda idx, g=g: svis[g].step(xtr, ytr, BATCH, idx)) for g in GUIDES}, rounds, warmup, "AutoNormal",
+                                round_args=lambda: (torch.randperm(xtr.shape[0], generator=gen)[:BATCH],))
+    guides = timed["guides"]
     for g in GUIDES:
-        ts = times[g]
-        q1, _, q3 = statistics.quantiles(ts, n=4)
-        guides[g] = {
-            "step_s_median": statistics.median(ts),
-            "step_s_q25": q1,
-            "step_s_q75": q3,
-            "ratio_vs_autonormal": statistics.median(ts) / base,
-            "paired_ratio_median": statistics.median(t / b for t, b in zip(ts, times["AutoNormal"])),
-            "n_params": n_params[g],
-            "finite": finite[g],
-        }
+        guides[g]["n_params"] = n_params[g]
     return {
         "rounds": rounds, "warmup_steps": warmup, "seed": seed, "batch": BATCH,
         "order": "one step per guide per round, order rotated by one guide each round; same minibatch indices for all guides within a round",
         "ratio": "median step time / AutoNormal's median step time (goal check); paired_ratio_median: median over rounds of step / AutoNormal's step",
-        "guides": guides, "wall_s": wall, "load_average_before": load_before, "load_average_after": load_average(),
+        "guides": guides, "wall_s": timed["wall_s"], "load_average_before": timed["load_average_before"],
+        "load_average_after": timed["load_average_after"],
         "command": command(), "torch_threads": torch.get_num_threads(),
     }
 

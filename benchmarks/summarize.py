@@ -310,6 +310,35 @@ def ex_bnn(d: dict) -> dict:
     }
 
 
+def ex_bnn_regression(d: dict) -> dict:
+    s, timing = d["summary"], d["timing_interleaved"]["guides"]
+    kguides = [k for k in ("K-Diag", "K-Linear", "K-Nonlinear") if k in s]
+    if "AutoNormal" not in s or not kguides:
+        raise ValueError("summary lacks AutoNormal or the K-guides")
+    pm = lambda m: f"{f3(m)} +- {f3(m[1])}"  # noqa: E731  [mean, se]
+    st = d.get("settings", {})
+    setup = f" ({st['steps']} steps, {plural(st['seeds'], 'seed')}, mean +- s.e.)" if {"steps", "seeds"} <= st.keys() else ""
+    an = s["AutoNormal"]
+    goals = d.get("goals") or {}
+    parts, diffs = {}, {}
+    for k in kguides:
+        diff, se = diffs[k] = [float(v) for v in s[k]["nll_diff_vs_autonormal"]]
+        g = goals.get(k) or {}
+        nll_ok = g.get("nll_beats_autonormal_beyond_se", diff < -se)
+        time_ok = g.get("step_within_1.5x", timing[k]["ratio_vs_autonormal"] <= 1.5)
+        parts[k] = (nll_ok, time_ok)
+    met_any = goals.get("met", any(a and b for a, b in parts.values()))
+    detail = "; ".join(f"{k}: NLL {yn(a)}, time {yn(b)}" for k, (a, b) in parts.items())
+    return {
+        "headline": "test NLL / RMSE: " + ", ".join(f"{k} {pm(s[k]['test_nll'])} / {f2(s[k]['test_rmse'])}" for k in kguides) + setup,
+        "anchor": f"AutoNormal {pm(an['test_nll'])} / {f2(an['test_rmse'])}, {g3(1e3 * timing['AutoNormal']['step_s_median'])} ms/step",
+        "comparison": "NLL - AutoNormal (paired): " + ", ".join(f"{k} {diffs[k][0]:+.3f} +- {diffs[k][1]:.3f}" for k in kguides)
+        + "; step time x AutoNormal (interleaved): " + ", ".join(f"{k} {f2(timing[k]['ratio_vs_autonormal'])}" for k in kguides),
+        "goal": goals.get("goal", "a Kronecker kind beats AutoNormal on NLL beyond the s.e. (paired) at <= 1.5x AutoNormal's time per step"),
+        "met": f"{yn(bool(met_any))} ({detail})",
+    }
+
+
 def ex_wheel_bandit(d: dict) -> dict:
     summ = d["summary"]
     deltas = sorted(summ, key=float)
@@ -497,6 +526,8 @@ EXTRACTORS = {
     "bench_ep_speed": ex_ep_speed,
     "bnn_digits": ex_bnn,
     "bnn_digits_conv": ex_bnn,
+    "bnn_regression": ex_bnn_regression,
+    "bnn_regression_concrete": ex_bnn_regression,
     "wheel_bandit": ex_wheel_bandit,
     "online_flat_cost": ex_online_flat_cost,
     "online_param_learning": ex_online_param_learning,
@@ -515,13 +546,14 @@ SCRIPTS = {
     "bench_ep_gp.py": ["bench_ep_gp"],
     "bench_ep_speed.py": ["bench_ep_speed"],
     "bench_bnn_digits.py": ["bnn_digits", "bnn_digits_conv"],
+    "bench_bnn_regression.py": ["bnn_regression", "bnn_regression_concrete"],
     "bench_wheel_bandit.py": ["wheel_bandit"],
     "bench_online_flat_cost.py": ["online_flat_cost"],
     "bench_online_param_learning.py": ["online_param_learning"],
     "bench_online_chaotic_rnn.py": ["online_chaotic_rnn"],
     "bench_gpu.py": ["gpu"],
 }
-LABELS = {"bnn_digits": "MLP", "bnn_digits_conv": "conv"}
+LABELS = {"bnn_digits": "MLP", "bnn_digits_conv": "conv", "bnn_regression": "diabetes", "bnn_regression_concrete": "concrete"}
 FIELDS = ("headline", "anchor", "comparison", "goal", "met")
 
 
