@@ -37,6 +37,25 @@ def test_public_names_resolve(module):
         assert hasattr(mod, name), f"{module}.__all__ lists missing {name}"
 
 
+_EXAMPLE = re.compile(r"<!-- example: ([\w-]+) -->\n```python\n(.*?)```", re.S)
+
+
+def readme_example(name: str) -> str:
+    """The README's python block marked ``<!-- example: name -->`` (markers, not positions, so that
+    adding a block does not renumber the others)."""
+    examples = dict(_EXAMPLE.findall((ROOT / "README.md").read_text()))
+    return examples[name]
+
+
+def test_every_readme_python_block_is_marked_and_tested():
+    text = (ROOT / "README.md").read_text()
+    names = [name for name, _ in _EXAMPLE.findall(text)]
+    assert len(names) == text.count("```python"), "a README python block has no <!-- example: name --> marker"
+    assert len(set(names)) == len(names), names
+    tested = set(re.findall(r'readme_example\("([\w-]+)"\)', pathlib.Path(__file__).read_text()))
+    assert set(names) <= tested, f"README examples without a test: {set(names) - tested}"
+
+
 def _readme_ar1_mle(ys):
     """Exact maximum-likelihood theta of the README's AR(1) (Kalman log-likelihood on a grid)."""
     from pyro_smc.models import LinearGaussianSSM
@@ -58,7 +77,7 @@ FULL = os.environ.get("PYRO_SMC_FULL") == "1"
 
 @pytest.mark.parametrize("data_seed", list(range(8)) if FULL else [4, 7])
 def test_readme_example_learns(data_seed):
-    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
+    code = readme_example("smc-svi")
     assert "range(100):\n    svi" in code
     steps = 100 if FULL else 50
     torch.set_default_dtype(torch.float32)
@@ -76,7 +95,7 @@ def test_readme_example_learns(data_seed):
 
 
 def test_readme_ep_example_runs():
-    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[1]
+    code = readme_example("ep-smoother")
     namespace = {}
     exec(code.replace("max_iter=50", "max_iter=3"), namespace)
     ep = namespace["ep"]
@@ -84,7 +103,7 @@ def test_readme_ep_example_runs():
 
 
 def test_readme_kronecker_example_runs():
-    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[2]
+    code = readme_example("kronecker-flow")
     namespace = {}
     exec(code.replace("range(500)", "range(5)"), namespace)
     assert namespace["guide"].median(namespace["x"])["w"].shape == (5, 2)
@@ -110,7 +129,7 @@ def test_tutorial_smoke(notebook, monkeypatch):
 
 
 def test_readme_streaming_example_runs():
-    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[3]
+    code = readme_example("online-filter")
     namespace = {}
     exec(code.replace("simulate(400)", "simulate(8)"), namespace)
     assert namespace["vf"].t == 8 and set(namespace["vf"].parameters()) == {"transition_diag", "emission_diag"}
@@ -120,7 +139,7 @@ def test_readme_torchrun_example_runs_in_one_process(monkeypatch):
     """Without torchrun the example is one rank of a one-process gloo group."""
     import torch.distributed as tdist
 
-    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[4]
+    code = readme_example("torchrun")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29531")
     monkeypatch.setenv("RANK", "0")
