@@ -534,7 +534,7 @@ def test_quadratic_regressor_rejects_invalid_ridge(ridge):
 # =================================================================================================
 @BUG
 @given(n=st.integers(1, 10), dtype=DTYPES, seed=SEEDS, bad=st.sampled_from([math.nan, math.inf]))
-def test_fixed_weights_functions_accept_nan_and_plus_inf(n, dtype, seed, bad):
+def test_normalize_rejects_nan_and_plus_inf_weights(n, dtype, seed, bad):
     lw = torch.randn(2, n, generator=_gen(seed), dtype=dtype)
     lw[1, int(torch.randint(n, (), generator=_gen(seed)))] = bad
     with pytest.raises(ValueError, match="log_weights"):
@@ -543,14 +543,14 @@ def test_fixed_weights_functions_accept_nan_and_plus_inf(n, dtype, seed, bad):
 
 @BUG
 @given(scheme=SCHEMES, dtype=DTYPES)
-def test_fixed_resampling_scalar_log_weights(scheme, dtype):
+def test_resampling_rejects_scalar_log_weights(scheme, dtype):
     with pytest.raises(ValueError, match="log_weights"):
         scheme(torch.zeros((), dtype=dtype))
 
 
 @BUG
 @given(n=st.integers(1, 4), p=st.integers(1, 4), off=st.integers(1, 2), op=st.sampled_from(["matvec", "solve", "logdet"]))
-def test_fixed_kronecker_shape_mismatch(n, p, off, op):
+def test_kronecker_ops_reject_shape_mismatch(n, p, off, op):
     a, b = torch.eye(n), torch.eye(p)
     x = torch.ones(n + off, p)  # rows do not match a
     with pytest.raises(ValueError):
@@ -564,7 +564,7 @@ def test_fixed_kronecker_shape_mismatch(n, p, off, op):
 
 @BUG
 @given(n=st.integers(1, 4), p=st.integers(1, 4), seed=SEEDS)
-def test_fixed_kron_solve_singular_triangular_factor(n, p, seed):
+def test_kron_solve_rejects_a_singular_triangular_factor(n, p, seed):
     g = _gen(seed)
     a = _tril((), n, g, F64)
     a[int(torch.randint(n, (), generator=g)), :] = 0.0  # a zero row: singular
@@ -575,7 +575,7 @@ def test_fixed_kron_solve_singular_triangular_factor(n, p, seed):
 
 @BUG
 @given(size=st.integers(1, 5), seed=SEEDS, value=st.sampled_from([0.0, -0.5, -2.0]))
-def test_fixed_tril_to_vector_non_positive_diagonal(size, seed, value):
+def test_tril_to_vector_rejects_a_non_positive_diagonal(size, seed, value):
     g = _gen(seed)
     factor = _tril((), size, g, F64)
     i = int(torch.randint(size, (), generator=g))
@@ -586,7 +586,7 @@ def test_fixed_tril_to_vector_non_positive_diagonal(size, seed, value):
 
 @BUG
 @given(size=st.integers(1, 5), off=st.sampled_from([-1, 1, 2]))
-def test_fixed_tril_from_vector_wrong_length(size, off):
+def test_tril_from_vector_rejects_the_wrong_length(size, off):
     length = size * (size + 1) // 2 + off
     if length < 1:
         length = 2
@@ -596,7 +596,7 @@ def test_fixed_tril_from_vector_wrong_length(size, off):
 
 @BUG
 @given(d=st.integers(1, 4), seed=SEEDS, which=st.sampled_from(["to_natural", "to_moment"]), value=st.sampled_from([0.0, -1.0]))
-def test_fixed_gaussian_conversions_of_non_positive_definite_matrices(d, seed, which, value):
+def test_gaussian_conversions_reject_non_positive_definite_matrices(d, seed, which, value):
     g = _gen(seed)
     matrix = torch.eye(d, dtype=F64)
     i = int(torch.randint(d, (), generator=g))
@@ -608,7 +608,7 @@ def test_fixed_gaussian_conversions_of_non_positive_definite_matrices(d, seed, w
 
 @BUG
 @given(n=st.integers(1, 3), p=st.integers(1, 3), dtype=DTYPES, which=st.sampled_from(["row", "col"]))
-def test_fixed_matrix_normal_accepts_infinite_scale(n, p, dtype, which):
+def test_matrix_normal_rejects_an_infinite_scale(n, p, dtype, which):
     size = n if which == "row" else p
     scale = torch.eye(size, dtype=dtype)
     scale[0, 0] = math.inf
@@ -620,6 +620,6 @@ def test_fixed_matrix_normal_accepts_infinite_scale(n, p, dtype, which):
 
 @BUG
 @given(n=st.integers(2, 20), dtype=DTYPES)
-def test_fixed_quadratic_regressor_zero_input_columns(n, dtype):
+def test_quadratic_regressor_rejects_zero_input_columns(n, dtype):
     with pytest.raises(ValueError, match="inputs"):
         QuadraticRegressor().fit(torch.zeros(n, 0, dtype=dtype), torch.zeros(n, dtype=dtype))

@@ -554,49 +554,49 @@ def test_smc_rejects_observations_of_the_wrong_shape():
 # =================================================================================================
 # Regression tests: one per bug these checks found (each failed before its fix).
 # =================================================================================================
-def test_fixed_normalize_all_minus_inf():
+def test_normalize_rejects_all_minus_inf_weights():
     with pytest.raises(ValueError, match="log_weights"):
         normalize(torch.full((2, 4), -math.inf))
 
 
 @pytest.mark.parametrize("bad", [-math.inf, math.nan], ids=["all_-inf", "nan"])
 @pytest.mark.parametrize("scheme", [resample.systematic, resample.stratified], ids=lambda s: s.__name__)
-def test_fixed_index_resampling_of_invalid_weights_is_silent(scheme, bad):
+def test_index_resampling_rejects_invalid_weights(scheme, bad):
     with pytest.raises(ValueError, match="log_weights"):
         scheme(torch.full((3, 4), bad))
 
 
 @pytest.mark.parametrize("bad", [-math.inf, math.nan], ids=["all_-inf", "nan"])
-def test_fixed_multinomial_resampling_of_invalid_weights(bad):
+def test_multinomial_resampling_rejects_invalid_weights(bad):
     with pytest.raises(ValueError, match="log_weights"):
         resample.multinomial(torch.full((3, 4), bad))
 
 
 @pytest.mark.parametrize("resampler", [SystematicResampler(), OTResampler(0.5)], ids=["systematic", "ot"])
-def test_fixed_resampler_particle_shape_mismatch(resampler):
+def test_resampler_rejects_particles_of_the_wrong_length(resampler):
     with pytest.raises(ValueError, match="x"):
         resampler({"x": torch.randn(3, 2)}, torch.full((4,), -math.log(4)))
 
 
-def test_fixed_sinkhorn_shape_mismatch():
+def test_sinkhorn_rejects_cost_and_marginal_shape_mismatch():
     cost = torch.rand(1, 5, 5)
     with pytest.raises(ValueError, match="log_a"):
         sinkhorn(cost, torch.full((1, 4), -math.log(4)), torch.full((1, 4), -math.log(4)), 0.5)
 
 
-def test_fixed_sinkhorn_max_iter_zero():
+def test_sinkhorn_rejects_max_iter_zero():
     log_a = torch.full((1, 4), -math.log(4))
     with pytest.raises(ValueError, match="max_iter"):
         sinkhorn(torch.rand(1, 4, 4), log_a, log_a, 0.5, max_iter=0)
 
 
-def test_fixed_sinkhorn_infinite_epsilon():
+def test_sinkhorn_rejects_infinite_epsilon():
     log_a = torch.full((1, 4), -math.log(4))
     with pytest.raises(ValueError, match="epsilon"):
         sinkhorn(torch.rand(1, 4, 4), log_a, log_a, math.inf)
 
 
-def test_fixed_sinkhorn_threshold_does_not_bound_the_column_error():
+def test_sinkhorn_threshold_bounds_the_column_error():
     # The docstring: "threshold: each problem stops when the L1 error of both marginals is below this".
     # Two problems in one batch, float64, epsilon 0.03 on costs normalised to [0, 1], threshold 1e-4:
     # problem 0 comes back with a column error of 5.0e-3. With _MAX_OMEGA = 1 (plain Sinkhorn) it is 6.7e-5.
@@ -612,7 +612,7 @@ def test_fixed_sinkhorn_threshold_does_not_bound_the_column_error():
     assert (plan.sum(-2) - log_b.exp()).abs().sum(-1).max() < 1e-4
 
 
-def test_fixed_sinkhorn_float32_denormal_kernel_column():
+def test_sinkhorn_float32_meets_the_column_marginal_despite_a_denormal_kernel_entry():
     f32 = torch.float32
     cost = torch.tensor([[[0.25, 1.0, 0.25]]], dtype=f32)  # exp(-1.0 / 0.01) = 3.7e-44 is a float32 denormal
     log_a, log_b = torch.zeros(1, 1, dtype=f32), torch.full((1, 3), -math.log(3), dtype=f32)
@@ -621,7 +621,7 @@ def test_fixed_sinkhorn_float32_denormal_kernel_column():
     assert (plan.sum(-2) - log_b.exp()).abs().sum() < 1e-3
 
 
-def test_fixed_sinkhorn_float32_degenerate_marginals_run_to_max_iter():
+def test_sinkhorn_float32_degenerate_marginals_converge_early():
     g, f32 = torch.Generator().manual_seed(155), torch.float32
     x, y = torch.randn(3, 12, 3, generator=g, dtype=f32), torch.randn(3, 4, 3, generator=g, dtype=f32)
     log_a = (1e4 * torch.randn(3, 12, generator=g, dtype=f32)).log_softmax(-1)
