@@ -2,6 +2,8 @@
 
 Modules:
     kronecker_flow: ``AutoKroneckerFlow`` (K-Diag, K-Linear, K-Nonlinear).
+    kronecker_kinds: the posterior families as strategy objects (``DiagKind``, ``LinearKind``,
+        ``NonlinearKind``; subclass ``KroneckerKind`` for a new one).
     matrix_transforms: invertible maps applied to every row / column of a matrix (K-Nonlinear).
     streaming: ``StreamingFilterGuide`` (filtering marginal plus backward kernels).
 """

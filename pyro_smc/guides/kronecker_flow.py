@@ -13,7 +13,8 @@ site gets
   column and then to every row of ``E`` (:mod:`pyro_smc.guides.matrix_transforms`);
 
 at ``np + n(n+1)/2 + p(p+1)/2`` parameters (plus the flows') instead of the ``O(n^2 p^2)`` of a
-full Gaussian. Every other site (scalars, vectors, simplex, ``LKJCholesky``, whose unconstrained
+full Gaussian. Each kind is a strategy object of :mod:`pyro_smc.guides.kronecker_kinds`, which
+``kind=`` also accepts. Every other site (scalars, vectors, simplex, ``LKJCholesky``, whose unconstrained
 value is a vector) gets ``AutoNormal``'s diagonal normal. A model without matrix sites therefore
 gets exactly ``AutoNormal``'s family, without a warning (``guide.matrix_sites`` lists the matrix
 sites, so a model whose weights were meant to be matrices can be checked).
@@ -38,6 +39,7 @@ Example:
     ...     with pyro.plate("data", x.shape[0]):
     ...         pyro.sample("y", dist.Normal(x @ w, 0.1).to_event(1), obs=y)
     >>> x, y = torch.randn(20, 3), torch.randn(20, 2)
+    >>> pyro.clear_param_store()
     >>> guide = AutoKroneckerFlow(model, kind="linear")
     >>> svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     >>> loss = svi.step(x, y)
@@ -66,63 +68,10 @@ from torch import Tensor
 from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import ReshapeTransform, Transform
 
-from pyro_smc.distributions import MatrixNormal
-from pyro_smc.guides.matrix_transforms import canonical_flow, kronecker_nonlinear
-from pyro_smc.ops.gaussian import tril_from_vector, tril_to_vector
-from pyro_smc.ops.kronecker import kron_logdet
+from pyro_smc.guides.kronecker_kinds import KINDS, KroneckerKind, as_kind, factor_from_params, params_from_factor
+from pyro_smc.guides.matrix_transforms import canonical_flow
 
 __all__ = ["KINDS", "AutoKroneckerFlow", "factor_from_params", "params_from_factor"]
-
-KINDS = ("diag", "linear", "nonlinear")
-
-
-def factor_from_params(params: Tensor, size: int) -> Tensor:
-    """The triangular factor ``L = D (I + N)`` of a ``"linear"``/``"nonlinear"`` guide.
-
-    Args:
-        params: ``(..., size (size + 1) / 2)`` free numbers in ``torch.tril_indices`` order: the
-            log of ``D`` on the diagonal, ``N`` (relative to the row's scale) below it.
-        size: the factor's size ``n``.
-
-    Returns:
-        ``(..., n, n)`` lower triangular with positive diagonal.
-    """
-    raw = tril_from_vector(params, size)
-    scale = raw.diagonal(dim1=-2, dim2=-1)
-    return raw.tril(-1) * scale.unsqueeze(-1) + torch.diag_embed(scale)
-
-
-def params_from_factor(factor: Tensor) -> Tensor:
-    """The inverse of :func:`factor_from_params` (to set a guide to a known posterior)."""
-    scale = factor.diagonal(dim1=-2, dim2=-1)
-    if not bool((scale.detach() > 0).all()):
-        raise ValueError("factor must have a positive diagonal")
-    return tril_to_vector(factor.tril(-1) / scale.unsqueeze(-1) + torch.diag_embed(scale))
-
-
-class _KroneckerAffine(Transform):
-    """``X -> M + A X B`` on ``(..., n, p)`` matrices; ``log|det| = p log|det A| + n log|det B|``."""
-
-    domain = constraints.independent(constraints.real, 2)
-    codomain = constraints.independent(constraints.real, 2)
-    bijective = True
-    sign = +1  # triangular factors with positive diagonals
-
-    def __init__(self, loc: Tensor, a: Tensor, b: Tensor):
-        # Cache the pre-image: log q of the guide's own samples must use the exact noise, not a
-        # triangular solve, whose error an optimiser can exploit when A or B is ill-conditioned.
-        super().__init__(cache_size=1)
-        self.loc, self.a, self.b = loc, a, b
-
-    def _call(self, x: Tensor) -> Tensor:
-        return self.loc + self.a @ x @ self.b
-
-    def _inverse(self, y: Tensor) -> Tensor:
-        z = torch.linalg.solve_triangular(self.a, y - self.loc, upper=False)
-        return torch.linalg.solve_triangular(self.b, z, upper=True, left=False)
-
-    def log_abs_det_jacobian(self, x: Tensor, y: Tensor) -> Tensor:
-        return kron_logdet(self.a, self.b, triangular=True).expand(x.shape[:-2])
 
 
 class AutoKroneckerFlow(AutoGuide):
@@ -130,7 +79,8 @@ class AutoKroneckerFlow(AutoGuide):
 
     Args:
         model: a Pyro model (a ``PyroModule`` BNN with ``PyroSample`` weights works as is).
-        kind: ``"diag"``, ``"linear"`` or ``"nonlinear"``.
+        kind: ``"diag"``, ``"linear"`` or ``"nonlinear"``, or a
+            :class:`~pyro_smc.guides.kronecker_kinds.KroneckerKind` object.
         flow: the K-Nonlinear flow of every column and row: ``"additive_coupling"``
             (volume-preserving, NICE; the paper's), ``"affine_coupling"`` (RealNVP) or ``"iaf"``
             (affine autoregressive). ``"realnvp"`` is a deprecated name of ``"additive_coupling"``.
@@ -149,13 +99,12 @@ class AutoKroneckerFlow(AutoGuide):
 
     quantile_samples = 4096
 
-    def __init__(self, model, kind: str = "nonlinear", flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,), init_loc_fn=init_to_median, init_scale: float = 0.1, create_plates=None):
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    def __init__(self, model, kind: str | KroneckerKind = "nonlinear", flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,), init_loc_fn=init_to_median, init_scale: float = 0.1, create_plates=None):
         flow = canonical_flow(flow)
         if not (isinstance(init_scale, (int, float)) and init_scale > 0):
             raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
-        self.kind, self.flow, self.hidden_dims = kind, flow, tuple(hidden_dims)
+        self._kind = as_kind(kind, flow, hidden_dims)
+        self.kind, self.flow, self.hidden_dims = self._kind.name, getattr(self._kind, "flow", flow), tuple(hidden_dims)
         self.init_loc_fn, self._init_scale = init_loc_fn, float(init_scale)
         # As Pyro's AutoNormal does: the prototype trace (hence every location) follows init_loc_fn.
         model = InitMessenger(self.init_loc_fn)(model)
@@ -170,6 +119,7 @@ class AutoKroneckerFlow(AutoGuide):
         self._event_dims: dict[str, int] = {}
         self._shapes: dict[str, torch.Size] = {}
         self._device = None
+        self._noise_mapped: set[str] = set()
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             self._device = self._device or site["value"].device
             with helpful_support_errors(site):
@@ -191,39 +141,34 @@ class AutoKroneckerFlow(AutoGuide):
             deep_setattr(self.locs, name, PyroParam(loc.reshape(batch + (n, p)), constraints.real, 2))
             # The entry scale init_scale is split evenly between the row and column factors.
             s = math.sqrt(self._init_scale)
-            if self.kind == "diag":
-                row, col, constraint = loc.new_full(batch + (n,), s), loc.new_full(batch + (p,), s), constraints.positive
-            else:
-                row, col, constraint = _tril_init(n, s, loc, batch), _tril_init(p, s, loc, batch), constraints.real
-            deep_setattr(self.row_factors, name, PyroParam(row, constraint, 1))
-            deep_setattr(self.col_factors, name, PyroParam(col, constraint, 1))
-            if self.kind == "nonlinear":
-                with torch.device(loc.device):  # built where the site lives, not on the default device
-                    flow = kronecker_nonlinear(n, p, self.flow, self.hidden_dims)
-                deep_setattr(self.flows, name, flow.to(loc.dtype))
+            for factors, size in ((self.row_factors, n), (self.col_factors, p)):
+                params, constraint = self._kind.init_factor(size, s, loc, batch)
+                deep_setattr(factors, name, PyroParam(params, constraint, 1))
+            noise_map = self._kind.noise_map(n, p, loc)
+            if noise_map is not None:
+                deep_setattr(self.flows, name, noise_map)
+                self._noise_mapped.add(name)
 
-    def _factors(self, name: str) -> tuple[Tensor, Tensor]:
+    def _matrix_parts(self, name: str) -> tuple[Tensor, Tensor, Tensor, Transform | None]:
+        """``M``, ``A``, ``B`` and ``G`` of a matrix site (inside its plates: subsampled)."""
         n, p = self.matrix_sites[name]
-        row, col = attrgetter(name)(self.row_factors), attrgetter(name)(self.col_factors)
-        if self.kind == "diag":
-            return torch.diag_embed(row), torch.diag_embed(col)
-        return factor_from_params(row, n), factor_from_params(col, p)
+        a = self._kind.factor(attrgetter(name)(self.row_factors), n)
+        b = self._kind.factor(attrgetter(name)(self.col_factors), p)
+        noise_map = attrgetter(name)(self.flows) if name in self._noise_mapped else None
+        return attrgetter(name)(self.locs), a, b, noise_map
 
     def _posterior(self, name: str) -> dist.Distribution:
         """The guide's distribution of the unconstrained value of ``name`` (inside its plates:
         subsampled to the active minibatch)."""
-        loc = attrgetter(name)(self.locs)
         if name not in self.matrix_sites:
+            loc = attrgetter(name)(self.locs)
             return dist.Normal(loc, attrgetter(name)(self.scales)).to_event(self._event_dims[name])
-        a, b = self._factors(name)
+        loc, a, b, noise_map = self._matrix_parts(name)
+        posterior = self._kind.posterior(loc, a, b, noise_map)
         event = self._shapes[name][len(self._shapes[name]) - self._event_dims[name] :]
-        reshape = [] if len(event) == 2 else [ReshapeTransform(loc.shape[-2:], event, cache_size=1)]
-        if self.kind == "nonlinear":
-            noise = dist.Normal(torch.zeros_like(loc), 1.0).to_event(2)
-            parts = [attrgetter(name)(self.flows), _KroneckerAffine(loc, a, b.transpose(-1, -2))] + reshape
-            return dist.TransformedDistribution(noise, parts)
-        base = MatrixNormal(loc, a, b)  # U = M + A E B^T
-        return dist.TransformedDistribution(base, reshape) if reshape else base
+        if len(event) == 2:
+            return posterior
+        return dist.TransformedDistribution(posterior, [ReshapeTransform(loc.shape[-2:], event, cache_size=1)])
 
     def _create_plates(self, *args, **kwargs) -> dict:
         # Pyro's AutoGuide makes its subsampling plates without a device, so their indices are
@@ -267,10 +212,12 @@ class AutoKroneckerFlow(AutoGuide):
         return result
 
     def _unconstrained_median(self, name: str) -> Tensor:
-        loc = attrgetter(name)(self.locs)
-        if self.kind == "nonlinear" and name in self.matrix_sites:
-            loc = ComposeTransform(self._posterior(name).transforms[:2])(torch.zeros_like(loc))
-        return loc.reshape(self._shapes[name])
+        if name not in self.matrix_sites:
+            return attrgetter(name)(self.locs)
+        loc, a, b, noise_map = self._matrix_parts(name)
+        # The image of the noise median E = 0 (the location itself unless the noise map moves 0).
+        median = loc if noise_map is None else self._kind.transform(loc, a, b, noise_map)(torch.zeros_like(loc))
+        return median.reshape(self._shapes[name])
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, Tensor]:
@@ -306,28 +253,22 @@ class AutoKroneckerFlow(AutoGuide):
             shape = self._shapes[name]
             if name not in self.matrix_sites:
                 values = dist.Normal(loc, attrgetter(name)(self.scales)).icdf(q.reshape((-1,) + (1,) * loc.dim()))
-            elif self.kind == "nonlinear":
-                values = _sample_quantiles(self._posterior(name), q, self.quantile_samples)
             else:
-                a, b = self._factors(name)
-                scale = (a.square().sum(-1).unsqueeze(-1) * b.square().sum(-1).unsqueeze(-2)).sqrt()
-                values = dist.Normal(loc, scale).icdf(q.reshape((-1,) + (1,) * loc.dim()))
+                loc, a, b, noise_map = self._matrix_parts(name)
+                if noise_map is None and self._kind.exact_marginals:
+                    values = dist.Normal(loc, self._kind.entry_scale(a, b)).icdf(q.reshape((-1,) + (1,) * loc.dim()))
+                else:
+                    values = _sample_quantiles(self._kind.transform(loc, a, b, noise_map), loc, q, self.quantile_samples)
             out[name] = biject_to(site["fn"].support)(values.reshape((-1,) + shape))
         return out
 
 
-def _tril_init(size: int, scale: float, like: Tensor, batch: torch.Size) -> Tensor:
-    rows, cols = torch.tril_indices(size, size, device=like.device)
-    params = torch.where(rows == cols, math.log(scale), 0.0).to(like.dtype)
-    return params.expand(batch + params.shape).clone()
-
-
-def _sample_quantiles(posterior: dist.TransformedDistribution, q: Tensor, num_samples: int) -> Tensor:
-    """Sample quantiles (linear interpolation, as ``torch.quantile``) of draws from a fixed seed."""
-    base = posterior.base_dist.base_dist
-    generator = torch.Generator(device=base.loc.device).manual_seed(0)
-    noise = torch.randn((num_samples,) + base.loc.shape, generator=generator, device=base.loc.device, dtype=base.loc.dtype)
-    draws = ComposeTransform(posterior.transforms)(noise).sort(0).values
+def _sample_quantiles(transform: Transform, loc: Tensor, q: Tensor, num_samples: int) -> Tensor:
+    """Sample quantiles (linear interpolation, as ``torch.quantile``) of ``transform(E)`` for
+    ``num_samples`` standard-normal ``E`` of ``loc``'s shape drawn from a fixed seed."""
+    generator = torch.Generator(device=loc.device).manual_seed(0)
+    noise = torch.randn((num_samples,) + loc.shape, generator=generator, device=loc.device, dtype=loc.dtype)
+    draws = transform(noise).sort(0).values
     position = q.clamp(0, 1) * (num_samples - 1)
     lower = position.floor().long().clamp(max=num_samples - 2)
     frac = (position - lower).reshape((-1,) + (1,) * (draws.dim() - 1))

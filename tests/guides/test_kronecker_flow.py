@@ -399,3 +399,38 @@ def test_factor_parameterisation_is_row_scaled_and_invertible():
     torch.testing.assert_close(params_from_factor(factor), params)
     with pytest.raises(ValueError, match="positive diagonal"):
         params_from_factor(-torch.eye(3))
+
+
+def test_kinds_are_strategy_objects_and_open_to_new_families():
+    from pyro_smc.guides.kronecker_kinds import DiagKind, NonlinearKind
+
+    x, y = _data()
+    by_name = AutoKroneckerFlow(regression, kind="nonlinear", flow="iaf", hidden_dims=(8,))
+    by_object = AutoKroneckerFlow(regression, kind=NonlinearKind(flow="iaf", hidden_dims=(8,)))
+    for guide in (by_name, by_object):
+        pyro.clear_param_store()
+        guide(x, y)
+    assert by_object.kind == "nonlinear" and by_object.flow == "iaf"
+    assert by_name.state_dict().keys() == by_object.state_dict().keys()
+
+    class IsotropicKind(DiagKind):
+        """A new family: A = a I and B = b I, one scale each (the guide needs no change)."""
+
+        name = "isotropic"
+
+        def init_factor(self, size, scale, like, batch):
+            return like.new_full(batch + (1,), scale), torch.distributions.constraints.positive
+
+        def factor(self, params, size):
+            return torch.diag_embed(params.expand(params.shape[:-1] + (size,)))
+
+    pyro.clear_param_store()  # the guides above used the same parameter names
+    guide = AutoKroneckerFlow(regression, kind=IsotropicKind(), init_scale=0.04)
+    svi = SVI(regression, guide, pyro.optim.Adam({"lr": 0.02}), TraceMeanField_ELBO())
+    assert all(math.isfinite(svi.step(x, y)) for _ in range(3))
+    assert guide.row_factors.w.shape == (1,) and guide.kind == "isotropic"
+    q = guide.quantiles([0.5, 0.8413447])["w"]
+    spread = q[1] - q[0]  # one sd, the same for every entry: a * b
+    torch.testing.assert_close(spread, torch.full_like(spread, float((guide.row_factors.w * guide.col_factors.w).detach())), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="kind"):
+        AutoKroneckerFlow(regression, kind="full")
