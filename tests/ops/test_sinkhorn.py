@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from pyro_smc.ops.sinkhorn import sinkhorn, squared_distances, transport_plan
+from pyro_smc.ops.sinkhorn import _solve_loop, sinkhorn, squared_distances, transport_plan
+from pyro_smc.ops.weights import normalize
 
 
 def _problem(batch, n, m, d=2, seed=0, spread=1.0):
@@ -179,3 +180,128 @@ def test_float32_masses_below_the_smallest_normal_number_do_not_stall_the_solver
     plan = transport_plan(cost.double(), log_a.double(), log_b.double(), f.double(), g.double(), 0.5)
     assert float((plan.sum(-2) - log_b.double().exp()).abs().sum()) < 1e-3
     assert float((plan.sum(-1) - log_a.double().exp()).abs().sum()) < 1e-3
+
+
+# =================================================================================================
+# Robustness: extreme weights, small epsilon, bad inputs (moved from tests/test_robustness.py)
+# =================================================================================================
+DTYPES = [torch.float32, torch.float64]
+DTYPE_IDS = ["float32", "float64"]
+EPSILONS = [0.1, 0.03, 0.01]
+
+
+def _threshold(dtype):
+    return 1e-4 if dtype == torch.float32 else 1e-7
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sinkhorn_with_extreme_target_weights(dtype):
+    """Target log-weights spread over +-1e4 nats (most of them underflow to zero mass)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 20, 2, generator=g, dtype=dtype)
+    cost = squared_distances(x, x)
+    log_a = torch.full((4, 20), -math.log(20), dtype=dtype)
+    log_b = normalize(1e4 * torch.randn(4, 20, generator=g, dtype=dtype).clamp(-1, 1) + torch.randn(4, 20, generator=g, dtype=dtype))[0]
+    threshold = 1e-4 if dtype == torch.float32 else 1e-8
+    f, gg = sinkhorn(cost, log_a, log_b, 0.1, threshold=threshold, max_iter=5000)
+    assert torch.isfinite(f).all() and torch.isfinite(gg[log_b > -math.inf]).all()
+    plan = transport_plan(cost, log_a, log_b, f, gg, 0.1)
+    assert torch.isfinite(plan).all()
+    assert (plan.sum(-1) - log_a.exp()).abs().sum(-1).max() < 10 * threshold
+    # Plain (unrelaxed) iterations stop on the row error of (u, v); in float32 with most of the
+    # target mass underflowed the returned columns then sit a few thresholds off.
+    assert (plan.sum(-2) - log_b.exp()).abs().sum(-1).max() < 30 * threshold
+
+
+@pytest.mark.parametrize("scaling", [0.75, 0.0], ids=["annealed", "no_annealing"])
+@pytest.mark.parametrize("epsilon", EPSILONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sinkhorn_small_epsilon_converges(dtype, epsilon, scaling):
+    """Costs normalised to [0, 1], so epsilon = 0.01 is a kernel exp(-100) at the far pairs.
+    Marginal errors must be small: rows exact to rounding, columns within the threshold (plus the
+    rounding of recomputing the plan)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 30, 2, generator=g, dtype=dtype)
+    y = torch.randn(4, 25, 2, generator=g, dtype=dtype)
+    cost = squared_distances(x, y)
+    cost = cost / cost.amax((-1, -2), keepdim=True)
+    log_a = torch.full((4, 30), -math.log(30), dtype=dtype)
+    log_b = (2 * torch.randn(4, 25, generator=g, dtype=dtype)).log_softmax(-1)
+    threshold = _threshold(dtype)
+    f, gg = sinkhorn(cost, log_a, log_b, epsilon, scaling=scaling, threshold=threshold, max_iter=20000)
+    assert f.dtype == gg.dtype == dtype
+    assert torch.isfinite(f).all() and torch.isfinite(gg).all()
+    plan = transport_plan(cost, log_a, log_b, f, gg, epsilon)
+    assert (plan.sum(-1) - log_a.exp()).abs().sum(-1).max() < 100 * torch.finfo(dtype).eps
+    assert (plan.sum(-2) - log_b.exp()).abs().sum(-1).max() < 30 * threshold
+
+
+@pytest.mark.parametrize("epsilon", [-1.0, math.nan])
+def test_sinkhorn_rejects_negative_and_nan_epsilon(epsilon):
+    cost = torch.rand(1, 4, 4)
+    log_a = torch.full((1, 4), -math.log(4))
+    with pytest.raises(ValueError, match="epsilon"):
+        sinkhorn(cost, log_a, log_a, epsilon)
+
+
+def test_sinkhorn_rejects_non_finite_costs():
+    log_a = torch.full((1, 3), -math.log(3))
+    for bad in (math.nan, math.inf):
+        cost = torch.rand(1, 3, 3)
+        cost[0, 1, 2] = bad
+        with pytest.raises(ValueError, match="cost"):
+            sinkhorn(cost, log_a, log_a, 0.01)
+
+
+def test_sinkhorn_rejects_cost_and_marginal_shape_mismatch():
+    cost = torch.rand(1, 5, 5)
+    with pytest.raises(ValueError, match="log_a"):
+        sinkhorn(cost, torch.full((1, 4), -math.log(4)), torch.full((1, 4), -math.log(4)), 0.5)
+
+
+def test_sinkhorn_rejects_max_iter_zero():
+    log_a = torch.full((1, 4), -math.log(4))
+    with pytest.raises(ValueError, match="max_iter"):
+        sinkhorn(torch.rand(1, 4, 4), log_a, log_a, 0.5, max_iter=0)
+
+
+def test_sinkhorn_rejects_infinite_epsilon():
+    log_a = torch.full((1, 4), -math.log(4))
+    with pytest.raises(ValueError, match="epsilon"):
+        sinkhorn(torch.rand(1, 4, 4), log_a, log_a, math.inf)
+
+
+def test_sinkhorn_threshold_bounds_the_column_error():
+    # The docstring: "threshold: each problem stops when the L1 error of both marginals is below this".
+    # Two problems in one batch, float64, epsilon 0.03 on costs normalised to [0, 1], threshold 1e-4:
+    # problem 0 comes back with a column error of 5.0e-3. With _MAX_OMEGA = 1 (plain Sinkhorn) it is 6.7e-5.
+    g, f32 = torch.Generator().manual_seed(281), torch.float32
+    x, y = torch.randn(2, 5, 2, generator=g, dtype=f32), torch.randn(2, 2, 2, generator=g, dtype=f32)
+    cost = squared_distances(x, y)
+    cost = (cost / cost.amax((-1, -2), keepdim=True)).double()
+    log_a = (5 * torch.randn(2, 5, generator=g, dtype=f32)).log_softmax(-1).double()
+    log_b = (5 * torch.randn(2, 2, generator=g, dtype=f32)).log_softmax(-1).double()
+    f, gg = sinkhorn(cost, log_a, log_b, 0.03, threshold=1e-4, max_iter=20000)
+    plan = transport_plan(cost, log_a, log_b, f, gg, 0.03)
+    assert (plan.sum(-1) - log_a.exp()).abs().sum(-1).max() < 1e-12  # rows are exact, as documented
+    assert (plan.sum(-2) - log_b.exp()).abs().sum(-1).max() < 1e-4
+
+
+def test_sinkhorn_float32_meets_the_column_marginal_despite_a_denormal_kernel_entry():
+    f32 = torch.float32
+    cost = torch.tensor([[[0.25, 1.0, 0.25]]], dtype=f32)  # exp(-1.0 / 0.01) = 3.7e-44 is a float32 denormal
+    log_a, log_b = torch.zeros(1, 1, dtype=f32), torch.full((1, 3), -math.log(3), dtype=f32)
+    f, gg = sinkhorn(cost, log_a, log_b, 0.01, scaling=0.0, threshold=1e-3)
+    plan = transport_plan(cost, log_a, log_b, f, gg, 0.01)
+    assert (plan.sum(-2) - log_b.exp()).abs().sum() < 1e-3
+
+
+def test_sinkhorn_float32_degenerate_marginals_converge_early():
+    g, f32 = torch.Generator().manual_seed(155), torch.float32
+    x, y = torch.randn(3, 12, 3, generator=g, dtype=f32), torch.randn(3, 4, 3, generator=g, dtype=f32)
+    log_a = (1e4 * torch.randn(3, 12, generator=g, dtype=f32)).log_softmax(-1)
+    log_b = (1e4 * torch.randn(3, 4, generator=g, dtype=f32)).log_softmax(-1)
+    with torch.no_grad():
+        _, _, iterations = _solve_loop(squared_distances(x, y), log_a, log_b, 0.3, 0.0, 1e-3, 2000)
+    # float64 converges in 1 iteration on the same problem; float32 uses all 2000.
+    assert iterations < 100
