@@ -112,18 +112,19 @@ def timeit_interleaved(fns: dict, repeats: int = 5, warmup: int = 1, desc: str |
     }
 
 
-def rotated_step_timing(steps: dict, rounds: int, warmup: int, baseline: str, round_args=None) -> dict:
+def rotated_step_timing(steps: dict, rounds: int, warmup: int, baseline: str, round_args=None, n_params: dict | None = None) -> dict:
     """Times one call of every ``steps[name](*round_args())`` per round, the order rotated by one each round.
 
     For SVI steps of several guides: alternating them step by step spreads drifts of machine load
     evenly over them, so their ratios to ``baseline`` stay meaningful on a shared machine.
     ``round_args`` (optional) draws the arguments of a round, shared by every contender (e.g. one
-    minibatch). The first ``warmup`` rounds are not timed.
+    minibatch). The first ``warmup`` rounds are not timed. ``n_params`` (optional) is stored per guide.
 
     Returns:
-        ``{"guides": {name: {step_s_median, step_s_q25, step_s_q75, ratio_vs_autonormal,
-        paired_ratio_median, finite}}, "wall_s", "load_average_before", "load_average_after"}``,
-        the ratios taken to ``baseline`` (the key keeps its historical name).
+        ``{"rounds", "warmup_steps", "guides": {name: {step_s_median, step_s_q25, step_s_q75,
+        ratio_vs_autonormal, paired_ratio_median, finite[, n_params]}}, "wall_s",
+        "load_average_before", "load_average_after"}``, the ratios taken to ``baseline`` (the key
+        keeps its historical name).
     """
     names = list(steps)
     times = {g: [] for g in names}
@@ -152,7 +153,41 @@ def rotated_step_timing(steps: dict, rounds: int, warmup: int, baseline: str, ro
             "paired_ratio_median": statistics.median(t / b for t, b in zip(ts, times[baseline])),
             "finite": finite[g],
         }
-    return {"guides": guides, "wall_s": wall, "load_average_before": load_before, "load_average_after": load_average()}
+        if n_params is not None:
+            guides[g]["n_params"] = n_params[g]
+    return {"rounds": rounds, "warmup_steps": warmup, "guides": guides, "wall_s": wall, "load_average_before": load_before,
+            "load_average_after": load_average()}
+
+
+def print_rotated_timing(timing: dict, title: str, block: dict | None = None) -> None:
+    """Table of a :func:`rotated_step_timing` result (with ``n_params`` added per guide).
+
+    ``block`` (optional) maps each guide to its block-timing cells ``(ms / step, ratio)``, shown for
+    reference beside the interleaved numbers.
+    """
+    rows = []
+    for g, t in timing["guides"].items():
+        row = [g, f"{1e3 * t['step_s_median']:.2f}", f"{1e3 * t['step_s_q25']:.2f} - {1e3 * t['step_s_q75']:.2f}",
+               f"{t['ratio_vs_autonormal']:.2f}", f"{t['paired_ratio_median']:.2f}"]
+        rows.append(row + (list(block[g]) if block is not None else []) + [t["n_params"]])
+    headers = ["guide", "interleaved ms / step", "IQR", "x AutoNormal", "paired x AN"]
+    if block is not None:
+        headers += ["block ms / step", "block x AN"]
+    la = [f"{v[0]:.2f}" if v else "?" for v in (timing["load_average_before"], timing["load_average_after"])]
+    print_table(headers + ["# var. params"], rows,
+                title=f"{title}: interleaved timing, {timing['rounds']} rounds after {timing['warmup_steps']} warm-up steps "
+                      f"({timing['wall_s']:.0f} s; 1-min load average {la[0]} -> {la[1]})")
+
+
+def merge_timing(path: Path, timing: dict, compute_goals, new: dict) -> dict:
+    """Puts a fresh interleaved ``timing`` (and the goals recomputed from the stored ``"summary"``)
+    into the result file ``path``, created from ``new`` if missing; returns the file's content."""
+    data = json.loads(path.read_text()) if path.exists() else dict(new)
+    data["timing_interleaved"] = dict(timing, machine=machine_info())
+    data["goals"] = compute_goals(data.get("summary"), timing)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    return data
 
 
 def load_average() -> list[float] | None:

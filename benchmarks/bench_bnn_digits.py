@@ -49,7 +49,6 @@ existing result files (replacing ``"timing_interleaved"`` and recomputing ``"goa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -66,7 +65,7 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 from sklearn.datasets import load_digits
 
-from _common import RESULTS, add_common_args, command, load_average, machine_info, print_table, progress, rotated_step_timing, setup, write_results
+from _common import RESULTS, add_common_args, command, merge_timing, print_rotated_timing, print_table, progress, rotated_step_timing, setup, write_results
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
 ARCHS = ("mlp", "conv")
@@ -250,16 +249,11 @@ def timing_interleaved(arch: str, rounds: int, warmup: int, seed: int = 0) -> di
     gen = torch.Generator().manual_seed(2000 + seed)
     # The same minibatch for every guide within a round.
     timed = rotated_step_timing({g: (lambda idx, g=g: svis[g].step(xtr, ytr, BATCH, idx)) for g in GUIDES}, rounds, warmup, "AutoNormal",
-                                round_args=lambda: (torch.randperm(xtr.shape[0], generator=gen)[:BATCH],))
-    guides = timed["guides"]
-    for g in GUIDES:
-        guides[g]["n_params"] = n_params[g]
+                                round_args=lambda: (torch.randperm(xtr.shape[0], generator=gen)[:BATCH],), n_params=n_params)
     return {
-        "rounds": rounds, "warmup_steps": warmup, "seed": seed, "batch": BATCH,
+        **timed, "seed": seed, "batch": BATCH,
         "order": "one step per guide per round, order rotated by one guide each round; same minibatch indices for all guides within a round",
         "ratio": "median step time / AutoNormal's median step time (goal check); paired_ratio_median: median over rounds of step / AutoNormal's step",
-        "guides": guides, "wall_s": timed["wall_s"], "load_average_before": timed["load_average_before"],
-        "load_average_after": timed["load_average_after"],
         "command": command(), "torch_threads": torch.get_num_threads(),
     }
 
@@ -278,22 +272,9 @@ def compute_goals(summary: dict | None, timing: dict) -> dict:
 
 
 def print_timing(arch: str, timing: dict, summary: dict | None = None) -> None:
-    rows = []
-    for g in GUIDES:
-        t = timing["guides"][g]
-        row = [g, f"{1e3 * t['step_s_median']:.2f}", f"{1e3 * t['step_s_q25']:.2f} - {1e3 * t['step_s_q75']:.2f}",
-               f"{t['ratio_vs_autonormal']:.2f}", f"{t['paired_ratio_median']:.2f}"]
-        if summary is not None:
-            s = summary[g]
-            row += [f"{1e3 * s['step_s'][0]:.2f} +- {1e3 * s['step_s'][1]:.2f}", f"{s['step_ratio_vs_autonormal']:.2f}"]
-        rows.append(row + [t["n_params"]])
-    headers = ["guide", "interleaved ms / step", "IQR", "x AutoNormal", "paired x AN"]
-    if summary is not None:
-        headers += ["block ms / step", "block x AN"]
-    la = [f"{v[0]:.2f}" if v else "?" for v in (timing["load_average_before"], timing["load_average_after"])]
-    print_table(headers + ["# var. params"], rows,
-                title=f"{TITLES[arch]}: interleaved timing, {timing['rounds']} rounds after {timing['warmup_steps']} warm-up steps "
-                      f"({timing['wall_s']:.0f} s; 1-min load average {la[0]} -> {la[1]})")
+    block = None if summary is None else {
+        g: (f"{1e3 * summary[g]['step_s'][0]:.2f} +- {1e3 * summary[g]['step_s'][1]:.2f}", f"{summary[g]['step_ratio_vs_autonormal']:.2f}") for g in GUIDES}
+    print_rotated_timing(timing, TITLES[arch], block)
 
 
 def result_name(arch: str) -> str:
@@ -346,15 +327,9 @@ def run_timing_only(arch: str, rounds: int, warmup: int, quick: bool) -> dict:
     """Interleaved timing alone, merged into the existing result file (or a new one if there is none)."""
     timing = timing_interleaved(arch, rounds, warmup)
     path = RESULTS / f"{result_name(arch)}{'.quick' if quick else ''}.json"
-    data = json.loads(path.read_text()) if path.exists() else {"benchmark": path.stem, "arch": arch}
-    summary = data.get("summary")
-    print_timing(arch, timing, summary)
-    data["timing_interleaved"] = timing
-    data["timing_interleaved"]["machine"] = machine_info()
-    data["goals"] = compute_goals(summary, timing)
-    print(f"\n{arch} goals (time: interleaved ratio){'' if summary else ' (no accuracy summary in the file)'}:", data["goals"])
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    data = merge_timing(path, timing, compute_goals, {"benchmark": path.stem, "arch": arch})
+    print_timing(arch, timing, data.get("summary"))
+    print(f"\n{arch} goals (time: interleaved ratio){'' if data.get('summary') else ' (no accuracy summary in the file)'}:", data["goals"])
     print(f"merged timing_interleaved and goals into {path}")
     return data["goals"]
 

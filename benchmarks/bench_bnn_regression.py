@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import statistics
 import subprocess
@@ -69,16 +68,16 @@ import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
-import torch.nn as nn
 from pyro import poutine
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoLowRankMultivariateNormal, AutoNormal
 from pyro.infer.autoguide.initialization import init_to_median
-from pyro.nn import PyroModule, PyroSample
+from pyro.nn import PyroModule
 from pyro.optim import ClippedAdam
 from sklearn.datasets import load_diabetes
 
-from _common import RESULTS, add_common_args, command, load_average, machine_info, print_table, progress, rotated_step_timing, setup, write_results
+from _common import RESULTS, add_common_args, command, merge_timing, print_rotated_timing, print_table, progress, rotated_step_timing, setup, write_results
+from bench_bnn_digits import bayesian_linear  # N(0, 1) weight matrix and bias vector
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
 STEPS = 6000
@@ -97,13 +96,6 @@ GOAL = ("a Kronecker kind beats AutoNormal on NLL beyond the standard error (pai
         f"at no more than {TIME_FACTOR:g}x AutoNormal's time per step")
 GUIDES = ["AutoNormal", "AutoLowRankMVN(10)", "K-Diag", "K-Linear", "K-Nonlinear"]
 KGUIDES = ["K-Diag", "K-Linear", "K-Nonlinear"]
-
-
-def bayesian_linear(n_in: int, n_out: int) -> PyroModule:
-    layer = PyroModule[nn.Linear](n_in, n_out)
-    layer.weight = PyroSample(dist.Normal(0.0, 1.0).expand([n_out, n_in]).to_event(2))
-    layer.bias = PyroSample(dist.Normal(0.0, 1.0).expand([n_out]).to_event(1))
-    return layer
 
 
 class RegressionBNN(PyroModule):
@@ -277,16 +269,11 @@ def timing_interleaved(rounds: int, warmup: int, seed: int = 0) -> dict:
     n_store = sum(v.numel() for _, v in pyro.get_param_store().named_parameters())
     assert n_store == sum(n_params.values()), f"param name collision: store {n_store} != guides {sum(n_params.values())}"
 
-    timed = rotated_step_timing({g: (lambda g=g: svis[g].step(xtr, ytr)) for g in GUIDES}, rounds, warmup, "AutoNormal")
-    guides = timed["guides"]
-    for g in GUIDES:
-        guides[g]["n_params"] = n_params[g]
+    timed = rotated_step_timing({g: (lambda g=g: svis[g].step(xtr, ytr)) for g in GUIDES}, rounds, warmup, "AutoNormal", n_params=n_params)
     return {
-        "rounds": rounds, "warmup_steps": warmup, "seed": seed, "batch": int(xtr.shape[0]),
+        **timed, "seed": seed, "batch": int(xtr.shape[0]),
         "order": "one full-batch step per guide per round, order rotated by one guide each round",
         "ratio": "median step time / AutoNormal's median step time (goal check); paired_ratio_median: median over rounds of step / AutoNormal's step",
-        "guides": guides, "wall_s": timed["wall_s"], "load_average_before": timed["load_average_before"],
-        "load_average_after": timed["load_average_after"],
         "command": command(), "torch_threads": torch.get_num_threads(),
     }
 
@@ -311,22 +298,9 @@ def compute_goals(summary: dict | None, timing: dict) -> dict:
 
 
 def print_timing(timing: dict, summary: dict | None = None) -> None:
-    rows = []
-    for g in GUIDES:
-        t = timing["guides"][g]
-        row = [g, f"{1e3 * t['step_s_median']:.2f}", f"{1e3 * t['step_s_q25']:.2f} - {1e3 * t['step_s_q75']:.2f}",
-               f"{t['ratio_vs_autonormal']:.2f}", f"{t['paired_ratio_median']:.2f}"]
-        if summary is not None:
-            s = summary[g]
-            row += [f"{1e3 * s['step_s'][0]:.2f}", f"{s['step_ratio_vs_autonormal']:.2f}"]
-        rows.append(row + [t["n_params"]])
-    headers = ["guide", "interleaved ms / step", "IQR", "x AutoNormal", "paired x AN"]
-    if summary is not None:
-        headers += ["block ms / step", "block x AN"]
-    la = [f"{v[0]:.2f}" if v else "?" for v in (timing["load_average_before"], timing["load_average_after"])]
-    print_table(headers + ["# var. params"], rows,
-                title=f"BNN {DATA}: interleaved timing, {timing['rounds']} rounds after {timing['warmup_steps']} warm-up steps "
-                      f"({timing['wall_s']:.0f} s; 1-min load average {la[0]} -> {la[1]})")
+    block = None if summary is None else {
+        g: (f"{1e3 * summary[g]['step_s'][0]:.2f}", f"{summary[g]['step_ratio_vs_autonormal']:.2f}") for g in GUIDES}
+    print_rotated_timing(timing, f"BNN {DATA}", block)
 
 
 def print_goals(goals: dict) -> None:
@@ -421,15 +395,9 @@ def run_timing_only(rounds: int, warmup: int, quick: bool) -> dict:
     """Interleaved timing alone, merged into the existing result file (or a new one if there is none)."""
     timing = timing_interleaved(rounds, warmup)
     path = RESULTS / f"{result_name()}{'.quick' if quick else ''}.json"
-    data = json.loads(path.read_text()) if path.exists() else {"benchmark": path.stem}
-    summary = data.get("summary")
-    print_timing(timing, summary)
-    data["timing_interleaved"] = timing
-    data["timing_interleaved"]["machine"] = machine_info()
-    data["goals"] = compute_goals(summary, timing)
+    data = merge_timing(path, timing, compute_goals, {"benchmark": path.stem})
+    print_timing(timing, data.get("summary"))
     print_goals(data["goals"])
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
     print(f"merged timing_interleaved and goals into {path}")
     return data["goals"]
 

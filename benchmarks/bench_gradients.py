@@ -100,8 +100,8 @@ def describe_resampler(name: str, epsilon: float) -> str:
 # models: plain classes holding one copy of theta per filter
 
 
-class AR1:
-    """``x_1 ~ N(0, 1)``, ``x_t = theta x_{t-1} + N(0, 1)``, ``y_t ~ N(x_t, 0.3^2)``; theta ``(B, 1)``."""
+class _TimeIndexed:
+    """Holds theta and counts the time steps (sites are named ``x_t`` / ``y_t``)."""
 
     def __init__(self, theta: torch.Tensor):
         self.theta = theta
@@ -109,6 +109,10 @@ class AR1:
 
     def init(self, state):
         self.t = 0
+
+
+class AR1(_TimeIndexed):
+    """``x_1 ~ N(0, 1)``, ``x_t = theta x_{t-1} + N(0, 1)``, ``y_t ~ N(x_t, 0.3^2)``; theta ``(B, 1)``."""
 
     def step(self, state, y=None):
         loc = self.theta * state["x"] if self.t else torch.zeros((), dtype=self.theta.dtype)
@@ -117,15 +121,8 @@ class AR1:
         self.t += 1
 
 
-class PaperModel:
+class PaperModel(_TimeIndexed):
     """``x_1 ~ N(0, I)``, ``x_t = diag(theta) x_{t-1} + N(0, I)``, ``y_t = x_t + N(0, 0.1 I)``; theta ``(B, 1, 2)``."""
-
-    def __init__(self, theta: torch.Tensor):
-        self.theta = theta
-        self.t = 0
-
-    def init(self, state):
-        self.t = 0
 
     def step(self, state, y=None):
         if self.t:

@@ -50,7 +50,7 @@ Example:
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from operator import attrgetter
 
 import pyro
@@ -171,17 +171,10 @@ class AutoKroneckerFlow(AutoGuide):
         return dist.TransformedDistribution(posterior, [ReshapeTransform(loc.shape[-2:], event, cache_size=1)])
 
     def _create_plates(self, *args, **kwargs) -> dict:
-        # Pyro's AutoGuide makes its subsampling plates without a device, so their indices are
-        # drawn on the default device; draw them where the sites live.
-        if self.master is None:
-            plates = self.create_plates(*args, **kwargs) if self.create_plates is not None else []
-            plates = [plates] if isinstance(plates, pyro.plate) else list(plates)
-            self.plates = {p.name: p for p in plates}
-            for name, frame in sorted(self._prototype_frames.items()):
-                if name not in self.plates:
-                    self.plates[name] = pyro.plate(name, frame.full_size or frame.size, dim=frame.dim, subsample_size=frame.size, device=self._device)
-            return self.plates
-        return super()._create_plates(*args, **kwargs)
+        # A plate draws its subsample indices when it is built, on the default device, and Pyro's
+        # AutoGuide builds its plates without a device: build them where the sites live.
+        with torch.device(self._device) if self._device is not None else nullcontext():
+            return super()._create_plates(*args, **kwargs)
 
     # --- sampling ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs) -> dict[str, Tensor]:
