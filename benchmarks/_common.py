@@ -1,7 +1,9 @@
-"""Shared helpers for the benchmark scripts: timing, machine info, result files.
+"""Shared helpers for the benchmark scripts: timing, machine info, result files, the summary record.
 
 Not a benchmark itself. Every script in this folder imports it as ``_common`` (the folder is
-``sys.path[0]`` when a script is run as ``python benchmarks/<name>.py``).
+``sys.path[0]`` when a script is run as ``python benchmarks/<name>.py``). ``summarize.py`` imports it
+too, for the summary record; torch is therefore imported inside the functions that need it, so the
+summary table is built without loading torch.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -41,12 +46,15 @@ def progress(iterable, desc: str, args=None, total: int | None = None):
 
 def setup(args) -> None:
     global _NO_PROGRESS
+    import torch
+
     torch.set_num_threads(args.threads)
     _NO_PROGRESS = bool(getattr(args, "no_progress", False))
 
 
 def machine_info(dtype: torch.dtype | None = None) -> dict:
     import pyro
+    import torch
 
     info = {
         "python": platform.python_version(),
@@ -179,12 +187,16 @@ def print_rotated_timing(timing: dict, title: str, block: dict | None = None) ->
                       f"({timing['wall_s']:.0f} s; 1-min load average {la[0]} -> {la[1]})")
 
 
-def merge_timing(path: Path, timing: dict, compute_goals, new: dict) -> dict:
+def merge_timing(path: Path, timing: dict, compute_goals, new: dict, summary=None, label: str | None = None) -> dict:
     """Puts a fresh interleaved ``timing`` (and the goals recomputed from the stored ``"summary"``)
-    into the result file ``path``, created from ``new`` if missing; returns the file's content."""
+    into the result file ``path``, created from ``new`` if missing; returns the file's content.
+    With ``summary`` (as in :func:`write_results`) the summary record is recomputed too, since the
+    table's time ratios come from ``timing``."""
     data = json.loads(path.read_text()) if path.exists() else dict(new)
     data["timing_interleaved"] = dict(timing, machine=machine_info())
     data["goals"] = compute_goals(data.get("summary"), timing)
+    if summary is not None:
+        data[SUMMARY_KEY] = summary_record(path.name[: -len(".json")], data, summary, label=label)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=float) + "\n")
     return data
@@ -197,11 +209,16 @@ def load_average() -> list[float] | None:
         return None
 
 
-def write_results(name: str, payload: dict, dtype: torch.dtype | None = None) -> Path:
+def write_results(name: str, payload: dict, dtype: torch.dtype | None = None, summary=None, label: str | None = None) -> Path:
+    """Writes ``results/<name>.json`` (``<name>.quick.json`` under ``--quick``): the run's command and
+    machine, then ``payload``, then (given ``summary``, the script's ``data -> cells`` function) its
+    :func:`summary_record` under :data:`SUMMARY_KEY`, computed from exactly what is written."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     if "--quick" in sys.argv:
         name = f"{name}.quick"  # smoke runs never overwrite the full results
     out = {"benchmark": name, "command": command(), "machine": machine_info(dtype), **payload}
+    if summary is not None:
+        out[SUMMARY_KEY] = summary_record(name, out, summary, label=label)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(out, indent=2, default=float) + "\n")
     print(f"\nwrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
@@ -227,6 +244,196 @@ def _fmt(value) -> str:
     return str(value)
 
 
+# --------------------------------------------------------------------------------------------------
+# The summary record: one row of the table in benchmarks/README.md, stored in every result file so
+# that summarize.py needs no knowledge of any script's layout. Each script turns its own numbers into
+# the row's cells (its ``summary_cells(data)``), right where it writes them.
+
+SUMMARY_KEY = "summary_record"
+SUMMARY_SCHEMA = 1
+SUMMARY_CELLS = ("ours", "anchor", "comparison", "goal", "met", "run")
+
+
+def summary_record(stem: str, data: dict, cells, label: str | None = None, script: str | None = None) -> dict:
+    """The summary record of the result file ``results/<stem>.json`` whose content is ``data``.
+
+    Args:
+        stem: the file name without ``.json`` (``"bnn_digits"``, ``"bnn_digits.quick"``).
+        data: the whole JSON object written to that file (the run cell reads its ``command``,
+            date, ``git_head``, ``device`` and ``finished``).
+        cells: ``data -> {"ours", "anchor", "comparison", "goal", "met"}`` (strings; ``ours`` is the
+            table's "ours (latest)" cell), or such a dict. When the function raises, the record
+            says ``unreadable (...)`` instead: a summary must never cost a finished run its file.
+        label: prefix of this file's cells when a script writes several main files (``"MLP"``).
+        script: the script that wrote it; by default the running one (``sys.argv[0]``).
+
+    Returns:
+        ``{"schema", "script", "label", "ours", "anchor", "comparison", "goal", "met", "run"}``,
+        every cell a string (empty for none), accepted by :func:`check_record`.
+
+    Example:
+        >>> rec = summary_record("x", {"command": "python x.py"}, {"ours": "1 s", "anchor": "2 s",
+        ...                      "comparison": "0.50x", "goal": "<= 1x", "met": "yes"}, script="bench_x.py")
+        >>> rec["run"], check_record(rec)
+        ('`results/x.json`; `python x.py`', [])
+    """
+    try:
+        got = cells(data) if callable(cells) else dict(cells)
+    except Exception as error:  # noqa: BLE001 - a layout the function did not expect must not stop the write
+        got = {"ours": f"unreadable ({type(error).__name__}: {short_error(error)})"}
+    record = {"schema": SUMMARY_SCHEMA, "script": script or Path(sys.argv[0]).name, "label": label}
+    record.update({c: str(got.get(c, "")) for c in SUMMARY_CELLS[:-1]})
+    record["run"] = run_cell(data, stem)
+    return record
+
+
+def check_record(record) -> list[str]:
+    """What is wrong with a summary record (an empty list when it is valid)."""
+    if not isinstance(record, dict):
+        return [f"not an object but {type(record).__name__}"]
+    problems = [] if record.get("schema") == SUMMARY_SCHEMA else [f"schema {record.get('schema')!r}, expected {SUMMARY_SCHEMA}"]
+    script = record.get("script")
+    if not (isinstance(script, str) and script.endswith(".py") and "/" not in script):
+        problems.append(f"script {script!r} is not a file name ending in .py")
+    if record.get("label") is not None and not isinstance(record["label"], str):
+        problems.append("label is neither null nor a string")
+    problems += [f"cell {c!r} is not a string" for c in SUMMARY_CELLS if not isinstance(record.get(c), str)]
+    if isinstance(record.get("ours"), str) and not record["ours"]:
+        problems.append("cell 'ours' is empty")
+    return problems
+
+
+def run_cell(data: dict, stem: str) -> str:
+    """Which file and run the numbers come from: file, command, date, git commit, device, unfinished."""
+    bits = [f"`results/{stem}.json`"]
+    if data.get("command"):
+        bits.append(f"`{data['command']}`")
+    for key in ("date", "timestamp", "started", "finished_at", "time_utc"):
+        if data.get(key):
+            bits.append(f"{key} {data[key]}")
+            break
+    if data.get("git_head"):
+        bits.append(f"git {str(data['git_head'])[:7]}")
+    if data.get("device") and data.get("device") != "cpu":
+        bits.append(f"device {data['device']}")
+    if data.get("finished") is False:
+        bits.append("**unfinished**")
+    return "; ".join(bits)
+
+
+def short_error(error: Exception) -> str:
+    text = str(error).replace("\n", " ")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# Formatting of the cells, shared so that every row reads alike.
+
+
+def num(x) -> float:
+    """A float from a number or from a ``[mean, sd]`` / ``[mean, se]`` pair."""
+    if isinstance(x, (list, tuple)):
+        x = x[0]
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"expected a number, got {type(x).__name__}")
+    return float(x)
+
+
+def g3(x) -> str:
+    """Three significant digits."""
+    return f"{num(x):.3g}"
+
+
+def f2(x) -> str:
+    return f"{num(x):.2f}"
+
+
+def f3(x) -> str:
+    return f"{num(x):.3f}"
+
+
+def f4(x) -> str:
+    return f"{num(x):.4f}"
+
+
+def ratio(x) -> str:
+    """A speed or cost ratio with the digits that matter at its size (``637x``, ``12.3x``, ``0.67x``)."""
+    x = num(x)
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
+
+
+def yn(ok: bool) -> str:
+    """``yes`` or a bold ``**no**``, so that a missed goal stands out in the table."""
+    return "yes" if ok else "**no**"
+
+
+def met_summary(parts: dict[str, bool]) -> str:
+    """``yes`` when every part holds, ``**no**`` when none does, else ``partly (...)``."""
+    if all(parts.values()):
+        return "yes"
+    if not any(parts.values()):
+        return "**no**"
+    return "partly (" + "; ".join(f"{k}: {yn(v)}" for k, v in parts.items()) + ")"
+
+
+def plural(n, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def slash(values, fmt=f3) -> str:
+    return " / ".join(fmt(v) for v in values)
+
+
+_METRIC = re.compile(r"rmse|mse|mae|nll|elbo|error|kl", re.I)
+_OURS = re.compile(r"^vf|variational|ours|online", re.I)
+
+
+def generic_cells(d: dict) -> dict:
+    """Cells for a result file with a method -> metrics table and no bespoke summary: per-method
+    metrics from ``mean_over_seeds``, ``summary`` or ``results`` (method -> {metric: number}), ours =
+    methods named ``vf*`` / ``*variational*`` (else the first), compared on the first metric."""
+    table = None
+    for key in ("mean_over_seeds", "summary", "results"):
+        t = d.get(key)
+        if isinstance(t, dict) and t and all(isinstance(v, dict) for v in t.values()):
+            table = t
+            break
+    if table is None:
+        raise ValueError("no method -> metrics table in mean_over_seeds / summary / results")
+
+    def metrics(v: dict) -> dict:
+        out = {}
+        for k, x in v.items():
+            if _METRIC.search(k) and not k.endswith(("_se", "_sd", "_std")):
+                try:
+                    out[k] = num(x)
+                except TypeError:
+                    continue
+        return out
+
+    mets = {m: metrics(v) for m, v in table.items()}
+    mets = {m: v for m, v in mets.items() if v}
+    if not mets:
+        raise ValueError("no rmse / mae / nll / elbo metrics per method")
+    ours = [m for m in mets if _OURS.search(m)] or [next(iter(mets))]
+    others = [m for m in mets if m not in ours]
+    key = next(iter(mets[ours[0]]))
+    show = lambda ms: "; ".join(f"{m} " + ", ".join(f"{k} {g3(x)}" for k, x in list(mets[m].items())[:3]) for m in ms)  # noqa: E731
+    comp = ""
+    common = [m for m in others if key in mets[m] and mets[m][key] != 0 and math.isfinite(mets[m][key])]
+    if common:
+        best = min(common, key=lambda m: mets[m][key])
+        comp = f"{key}: {ours[0]} / {best} (best anchor) {f2(mets[ours[0]][key] / mets[best][key])}"
+    goal = d.get("goal")
+    if isinstance(goal, dict):
+        goal_text = str(goal.get("text") or goal.get("description") or goal.get("goal") or ", ".join(f"{k}" for k in goal if k != "met"))
+        met = yn(bool(goal["met"])) if "met" in goal else "n/a"
+    else:
+        goal_text, met = (str(goal), "n/a") if goal else ("none stored", "n/a")
+    if d.get("finished") is False:
+        met += " (run unfinished)"
+    return {"ours": show(ours), "anchor": show(others) or "none found", "comparison": comp or "n/a", "goal": goal_text, "met": met}
+
+
 class BootstrapGuide:
     """``pyro.infer.SMCFilter`` needs a guide: this one proposes ``x_t`` from a Gaussian transition
     ``N(transition_mean(x_{t-1}), scale^2 I)`` (``N(0, init_scale^2 I)`` at ``t = 0``) under the
@@ -242,6 +449,7 @@ class BootstrapGuide:
     def step(self, state, y=None):
         import pyro
         import pyro.distributions as dist
+        import torch
 
         t = self._t
         if "x" in state:

@@ -1,8 +1,10 @@
-"""``benchmarks/summarize.py``: extractors on the stored results, one row per script, ``--check``."""
+"""``benchmarks/summarize.py``: every result file carries a valid summary record, the table is built
+from the records alone (one row per script), ``--check``."""
 
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,21 +20,42 @@ def summarize():
     return module
 
 
-def test_extractors_run_on_stored_results(summarize):
-    checked = 0
-    for stem, extractor in summarize.EXTRACTORS.items():
-        path = summarize.RESULTS / f"{stem}.json"
-        if not path.exists():  # not run yet: its smoke run has the same layout
-            path = summarize.RESULTS / f"{stem}.quick.json"
-        if not path.exists():
-            continue
-        cells = extractor(json.loads(path.read_text()))
-        assert set(summarize.FIELDS) <= cells.keys(), stem
-        assert all(isinstance(cells[f], str) and cells[f] for f in summarize.FIELDS), stem
-        checked += 1
-    assert checked >= 10
-    for stem in summarize.EXTRACTORS:
-        assert not summarize.extract(stem)["headline"].startswith("unreadable"), stem
+def main_results(summarize):
+    """The files summarize.py reads: ``<stem>.json`` without a variant suffix."""
+    return [p for p in sorted(summarize.RESULTS.glob("*.json")) if "." not in p.name[: -len(".json")]]
+
+
+def test_every_result_file_has_a_valid_record(summarize):
+    common = importlib.import_module("_common")  # on sys.path once summarize.py is loaded
+    paths = main_results(summarize)
+    assert len(paths) >= 15
+    scripts = {p.name for p in BENCH.glob("bench_*.py")}
+    for path in paths + sorted(summarize.RESULTS.glob("*.quick.json")):  # smoke runs write the same record
+        record = json.loads(path.read_text()).get(common.SUMMARY_KEY)
+        assert common.check_record(record) == [], path.name
+        assert record["script"] in scripts, path.name
+        assert record["run"].startswith(f"`results/{path.name}`"), path.name
+        if path in paths:
+            assert not record["ours"].startswith("unreadable"), path.name
+
+
+def test_table_comes_from_the_records_alone(summarize, tmp_path):
+    common = importlib.import_module("_common")
+    rows = summarize.build_rows()
+    by_script = {row.script: row for row in rows}
+    for path in main_results(summarize):
+        record = json.loads(path.read_text())[common.SUMMARY_KEY]
+        row = by_script[record["script"]].cells_by_name
+        for cell in common.SUMMARY_CELLS:
+            if record[cell]:
+                expected = f"{record['label']}: {record[cell]}" if record["label"] else record[cell]
+                assert expected in row[cell].split("<br>"), (path.name, cell)
+    # Strip every file down to its record: the table must not change.
+    for path in main_results(summarize):
+        record = json.loads(path.read_text())[common.SUMMARY_KEY]
+        (tmp_path / path.name).write_text(json.dumps({common.SUMMARY_KEY: record}))
+    stripped = summarize.build_rows(results=tmp_path)
+    assert summarize.render_table(stripped) == summarize.render_table(rows)
 
 
 def test_one_row_per_script(summarize):
@@ -41,8 +64,7 @@ def test_one_row_per_script(summarize):
     on_disk = sorted(p.name for p in BENCH.glob("bench_*.py"))
     assert len(names) == len(set(names))
     assert set(on_disk) <= set(names)
-    for name in set(names) - set(on_disk):  # a known benchmark whose results exist without its script
-        assert any((summarize.RESULTS / f"{stem}.json").exists() for stem in summarize.SCRIPTS[name])
+    assert names[: len(summarize.ORDER)] == [s for s in summarize.ORDER if s in names]
     table = summarize.render_table(rows)
     body = table.splitlines()[2:]
     assert len(body) == len(rows)
@@ -51,15 +73,31 @@ def test_one_row_per_script(summarize):
 
 
 def test_not_run_and_unreadable(summarize, tmp_path):
+    common = importlib.import_module("_common")
     (tmp_path / "bench_smcfilter.json").write_text("{ half written")
     (tmp_path / "bench_ot_cost.json").write_text(json.dumps({"command": "python x.py", "results": {}}))
-    assert summarize.extract("bench_sinkhorn", tmp_path)["headline"] == "not run"
-    assert summarize.extract("bench_smcfilter", tmp_path)["headline"].startswith("unreadable (JSONDecodeError")
-    cells = summarize.extract("bench_ot_cost", tmp_path)
-    assert cells["headline"].startswith("unreadable (KeyError")
-    assert "`python x.py`" in cells["run"]
-    rows = summarize.build_rows(results=tmp_path)
-    assert {row.script for row in rows} >= {p.name for p in BENCH.glob("bench_*.py")}
+    bad = common.summary_record("bench_ep_gp", {}, {"ours": "x"}, script="bench_ep_gp.py")
+    bad["met"] = 3
+    (tmp_path / "bench_ep_gp.json").write_text(json.dumps({common.SUMMARY_KEY: bad}))
+    shutil.copy(summarize.RESULTS / "bnn_digits.quick.json", tmp_path)
+    rows = {row.script: row.cells_by_name for row in summarize.build_rows(results=tmp_path)}
+    assert rows["bench_sinkhorn.py"]["ours"] == "not run"
+    assert rows["bench_bnn_digits.py"] == dict.fromkeys(common.SUMMARY_CELLS, "") | {
+        "ours": "not run", "run": "only a smoke run, `results/bnn_digits.quick.json` (not summarised)"}
+    assert rows["bench_smcfilter.py"]["ours"].startswith("unreadable (JSONDecodeError")
+    assert rows["bench_ot_cost.py"]["ours"] == "unreadable (KeyError: \"no 'summary_record'\")"
+    assert rows["bench_ot_cost.py"]["run"] == "`results/bench_ot_cost.json`"
+    assert rows["bench_ep_gp.py"]["ours"].startswith("unreadable (ValueError: invalid 'summary_record': cell 'met'")
+    assert set(rows) >= {p.name for p in BENCH.glob("bench_*.py")}
+
+
+def test_record_of_a_failing_summary(summarize):
+    """A script's summary function that meets an unexpected layout must not cost the run its file."""
+    common = importlib.import_module("_common")
+    record = common.summary_record("x", {"command": "python x.py", "finished": False}, lambda d: d["missing"], script="bench_x.py")
+    assert common.check_record(record) == []
+    assert record["ours"] == "unreadable (KeyError: 'missing')"
+    assert record["run"] == "`results/x.json`; `python x.py`; **unfinished**"
 
 
 def test_check_mode(summarize, tmp_path, capsys):
