@@ -33,13 +33,12 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from pyro import poutine
 from pyro.infer import Predictive
-from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
 from pyro_smc.infer.online import OnlineVariationalFilter
 from pyro_smc.infer.smc import SMC
+from pyro_smc.tracing import latent_sites, trace_program
 
 __all__ = ["to_inference_data"]
 
@@ -89,13 +88,8 @@ def _from_online(vf: OnlineVariationalFilter, num_draws: int | None, lag: int | 
 
 
 def _latent_sites(model: Callable, args, kwargs) -> dict[str, torch.Size]:
-    with poutine.block():
-        trace = poutine.trace(model).get_trace(*args, **kwargs)
-    return {
-        name: site["value"].shape
-        for name, site in trace.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-    }
+    trace = trace_program(model, *args, **kwargs)
+    return {name: trace.nodes[name]["value"].shape for name in latent_sites(trace)}
 
 
 def _from_guide(guide: Callable, model: Callable | None, args, kwargs, num_draws: int | None, num_chains: int):

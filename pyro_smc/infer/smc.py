@@ -57,10 +57,7 @@ import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.distributions.util import scale_and_mask
 from pyro.infer.smcfilter import SMCFailed
-from pyro.nn import PyroModule
-from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -71,6 +68,7 @@ from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
+from pyro_smc.tracing import is_latent, is_scored, module_context, site_log_probs
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
 
@@ -208,14 +206,22 @@ class SMC:
         return self
 
     def step(self, *args, **kwargs) -> SMC:
-        """Advances every filter by one time step: propose, reweight, maybe resample."""
-        _check_finite_args(args, kwargs, f"time step {self._t}")
-        return self._step(args, kwargs)
+        """Advances every filter by one time step: propose, reweight, maybe resample.
 
-    def _step(self, args, kwargs) -> SMC:
+        A step whose observation (the first positional argument) is ``None`` or all-NaN is
+        predict-only: the particles move by the model's own transition (the guide is not
+        called, since it may need the observation) and no observed site is scored, so the
+        weights and ``log_evidence`` do not change. A partly-NaN or infinite argument is an error.
+        """
+        missing = _is_missing(args)
+        _check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
+        return self._step(args, kwargs, missing)
+
+    def _step(self, args, kwargs, predict_only: bool = False) -> SMC:
         if not self._initialized:
             raise RuntimeError("SMC.step called before SMC.init")
-        self._propagate(self.model.step, self.guide.step if self.guide is not None else None, args, kwargs, f"time step {self._t}")
+        guide_step = self.guide.step if self.guide is not None and not predict_only else None
+        self._propagate(self.model.step, guide_step, args, kwargs, f"time step {self._t}", predict_only)
         self._t += 1
         return self
 
@@ -223,21 +229,27 @@ class SMC:
         """``init(*args)`` then ``step(observations[t], *args)`` for every leading-dim slice.
 
         Args:
-            observations: tensor ``(T, ...)``; NaN or inf anywhere is an error naming the step.
+            observations: tensor ``(T, ...)``. A step whose slice is all-NaN is predict-only (see
+                :meth:`step`); a partly-NaN or infinite slice is an error naming the step.
+
+        Returns:
+            ``self``, with ``log_evidence`` and the per-step histories filled in.
         """
         if not isinstance(observations, Tensor):
             raise ValueError(f"observations must be a tensor of shape (T, ...), got {type(observations).__name__}")
         if observations.dim() == 0:
             raise ValueError("observations must have a leading time dimension, got a scalar")
+        missing = [False] * observations.shape[0]
         if observations.is_floating_point():
-            bad = ~torch.isfinite(observations.reshape(observations.shape[0], -1)).all(-1)
-            if bool(bad.any()):
-                t = int(bad.nonzero()[0, 0])
-                raise ValueError(f"observations contain NaN or inf at time step {t}")
+            flat = observations.reshape(observations.shape[0], -1)
+            missing = (torch.isnan(flat).all(-1) & (flat.shape[-1] > 0)).tolist()
+            for t in (~torch.isfinite(flat).all(-1)).nonzero()[:, 0].tolist():
+                if not missing[t]:
+                    _check_finite_args((observations[t],), {}, f"time step {t}")
         self.init(*args, **kwargs)
         for t in tqdm(range(observations.shape[0]), desc="SMC", disable=not self.progress_bar, leave=False):
             # Observations were checked above, all at once.
-            self._step((observations[t],) + args, kwargs)
+            self._step((observations[t],) + args, kwargs, missing[t])
         return self
 
     # --- results ------------------------------------------------------------------------------
@@ -316,14 +328,8 @@ class SMC:
             set_rng_state(state)
 
     # --- one step -----------------------------------------------------------------------------
-    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str) -> None:
-        with poutine.block(hide_types=["sample"]), contextlib.ExitStack() as stack:
-            # A PyroModule's PyroParams reach the param store (and so SVI) only inside the
-            # module's context, which Pyro enters in forward() or @pyro_method; init/step are
-            # plain methods, so enter it here.
-            for obj in (self.model, self.guide):
-                if isinstance(obj, PyroModule):
-                    stack.enter_context(obj._pyro_context)
+    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False) -> None:
+        with poutine.block(hide_types=["sample"]), module_context(self.model, self.guide), contextlib.ExitStack() as stack:
             for plate in self._plates:
                 stack.enter_context(plate)
             guide_trace = None
@@ -343,7 +349,7 @@ class SMC:
                 ) from error
         if torch.is_grad_enabled():
             self._warn_non_reparameterized(model_trace, guide_trace, where)
-        terms = self._log_weight_terms(model_trace, guide_trace)
+        terms = self._log_weight_terms(model_trace, guide_trace, predict_only)
         self._check_state(where)
         if not terms:
             # Nothing was scored (e.g. an init that only sets up bookkeeping).
@@ -411,7 +417,7 @@ class SMC:
         proposal = [] if guide_trace is None else list(guide_trace.nodes.values())
         proposal += [site for name, site in model_trace.nodes.items() if guide_trace is None or name not in guide_trace.nodes]
         for site in proposal:
-            if site["type"] != "sample" or site["is_observed"] or site_is_subsample(site):
+            if not is_latent(site):
                 continue
             fn = site["fn"]
             if getattr(fn, "has_rsample", True):
@@ -430,31 +436,39 @@ class SMC:
                 stacklevel=2,
             )
 
-    def _log_weight_terms(self, model_trace, guide_trace) -> list[tuple[str, Tensor]]:
-        """Per-site contributions to ``log omega``, each reduced to the particle shape."""
-        terms = []
-        for name, site in model_trace.nodes.items():
-            if site["type"] != "sample" or site_is_subsample(site):
-                continue
-            if site["is_observed"]:
-                terms.append((name, self._site_log_prob(site)))
-            elif guide_trace is not None and name in guide_trace.nodes:
-                log_q = self._site_log_prob(guide_trace.nodes[name])
-                terms.append((name, self._site_log_prob(site) - log_q))
-            # A latent site drawn from the model's own prior contributes p / p = 1.
+    def _log_weight_terms(self, model_trace, guide_trace, predict_only: bool = False) -> list[tuple[str, Tensor]]:
+        """Per-site contributions to ``log omega``, each reduced to the particle shape.
+
+        Observed sites give ``log g``; latent sites the guide proposed give ``log f - log q``; a
+        latent site drawn from the model's own prior contributes ``f / f = 1`` and is not scored.
+        In a predict-only step the observed sites are not scored either.
+        """
         if guide_trace is not None:
             for name, site in guide_trace.nodes.items():
-                if site["type"] == "sample" and not site_is_subsample(site) and name not in model_trace.nodes:
+                if is_scored(site) and name not in model_trace.nodes:
                     raise ValueError(f"guide samples site '{name}' that the model does not have")
+        proposed = set() if guide_trace is None else {name for name, site in guide_trace.nodes.items() if is_scored(site)}
+        scored = [
+            name
+            for name, site in model_trace.nodes.items()
+            if is_scored(site) and ((site["is_observed"] and not predict_only) or (not site["is_observed"] and name in proposed))
+        ]
+        log_p = site_log_probs(model_trace, scored)
+        log_q = {} if guide_trace is None else site_log_probs(guide_trace, [name for name in scored if name in proposed])
+        terms = []
+        for name in scored:
+            term = self._per_particle(log_p[name], model_trace.nodes[name])
+            if name in log_q:
+                term = term - self._per_particle(log_q[name], guide_trace.nodes[name])
+            terms.append((name, term))
         return terms
 
-    def _site_log_prob(self, site: dict) -> Tensor:
-        log_p = site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
-        log_p = scale_and_mask(log_p, site["scale"], site["mask"])
+    def _per_particle(self, log_p: Tensor, site: dict) -> Tensor:
+        """A site's log-density summed over the model's own plates: one number per particle."""
         if not isinstance(log_p, Tensor):
             log_p = torch.as_tensor(log_p)
         mpn = self.max_plate_nesting
-        # Sum the model's own plates (right of the particle dims) into one number per particle.
+        # The model's own plates sit right of the particle dims.
         if mpn and log_p.dim() > 0:
             log_p = log_p.reshape(log_p.shape[: max(log_p.dim() - mpn, 0)] + (-1,)).sum(-1)
         if log_p.dim() > len(self._particle_shape):
@@ -597,4 +611,19 @@ def _distribution_name(fn: Distribution) -> str:
 def _check_finite_args(args, kwargs, where: str) -> None:
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"observation at {where} contains NaN or inf")
+            if bool(torch.isinf(value).any()):
+                raise ValueError(f"observation at {where} contains inf")
+            raise ValueError(
+                f"observation at {where} is partly NaN; a wholly missing observation (None or all-NaN) "
+                f"is a predict-only step, a partly missing one is not supported by SMC"
+            )
+
+
+def _is_missing(args) -> bool:
+    """Whether a step's observation (its first positional argument) is missing: ``None`` or all-NaN."""
+    if not args:
+        return False
+    y = args[0]
+    if y is None:
+        return True
+    return isinstance(y, Tensor) and y.is_floating_point() and y.numel() > 0 and bool(torch.isnan(y).all())

@@ -393,3 +393,68 @@ def test_model_plates_with_max_plate_nesting(num_filters):
 def test_too_few_plate_dims_is_an_error():
     with pytest.raises(ValueError, match="max_plate_nesting"):
         SMC(IndependentSeries(), num_particles=5, num_filters=2, max_plate_nesting=0).run(torch.zeros(2, 3))
+
+
+# --- missing observations -----------------------------------------------------------------------
+def _kalman_with_missing(ssm, ys, missing):
+    """Exact evidence and filtering means when the steps in ``missing`` are predict-only."""
+    from pyro_smc.ops import kalman
+
+    mean, cov = ssm.init_mean, ssm.init_cov
+    log_z, means = ys.new_zeros(()), []
+    for t, y in enumerate(ys):
+        if t > 0:  # init_mean, init_cov are the prior of the first step's state
+            mean, cov = kalman.predict(mean, cov, ssm.A, ssm.Q)
+        if t not in missing:
+            mean, cov, log_lik = kalman.update(mean, cov, y, ssm.C, ssm.R)
+            log_z = log_z + log_lik
+        means.append(mean)
+    return log_z, torch.stack(means)
+
+
+def test_all_nan_steps_are_predict_only_against_kalman():
+    """Z_hat is unbiased for the evidence of the observed steps (tested in the exp domain, where it
+    is exactly true) and the filtering mean at a missing step is the Kalman prediction."""
+    torch.manual_seed(0)
+    eye = torch.eye(2, dtype=torch.float64)
+    # Unit observation noise keeps the ESS high, so the self-normalised means' O(1/ESS) bias stays
+    # far below the Monte Carlo band.
+    ssm = LinearGaussianSSM(0.8 * eye, eye, eye, eye, torch.zeros(2, dtype=torch.float64), eye)
+    _, ys = ssm.simulate(10)
+    missing = {0, 3, 4, 9}
+    ys[list(missing)] = math.nan
+    exact, kalman_means = _kalman_with_missing(ssm, ys, missing)
+    pyro.set_rng_seed(1)
+    with torch.no_grad():
+        smc = SMC(ssm, num_particles=1000, num_filters=200).run(ys)
+    ratio = (smc.log_evidence - exact).exp()
+    assert abs(ratio.mean() - 1) < MC_SIGMAS * ratio.std() / math.sqrt(ratio.numel())
+    means = smc.filtering_means["x"]  # (T, B, d)
+    err = (means.mean(1) - kalman_means).abs()
+    assert bool((err < MC_SIGMAS * means.std(1) / math.sqrt(means.shape[1]) + 1e-12).all())
+
+
+def test_none_or_all_nan_observation_leaves_weights_and_evidence_unchanged():
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(3)
+    calls = []
+
+    class Guide:
+        def init(self, state):
+            pass
+
+        def step(self, state, y):
+            calls.append(y)
+
+    for missing in (None, torch.full_like(ys[0], math.nan)):
+        smc = SMC(ssm, num_particles=50, ess_threshold=1e-9).init()
+        smc.step(ys[0])
+        log_w, log_z = smc.log_weights.clone(), smc.log_evidence.clone()
+        smc.step(missing)
+        assert torch.equal(smc.log_weights, log_w) and torch.equal(smc.log_evidence, log_z)
+        assert not torch.isnan(smc.state["x"]).any()
+    # The guide, which may need the observation, is not called at a predict-only step.
+    guided = SMC(ssm, Guide(), num_particles=5)
+    guided.init()
+    guided.step(None)
+    assert calls == []

@@ -1,0 +1,130 @@
+"""Running Pyro programs in the ``init``/``step`` protocol: one layer for every engine.
+
+`SMC`, the online variational filter, `StreamingFilterGuide` and the ArviZ export all run
+user programs written with ``pyro.sample``/``pyro.param`` and read the same things off their
+traces: which sites are latent, each site's scaled and masked log-density, and the parameters a
+run touched. This module is the one place that does it, on top of Pyro's own machinery
+(``poutine.trace`` and ``Trace.compute_log_prob``), so every engine agrees on what a latent site
+is and how a log-density is scaled.
+
+The rules, the same as Pyro's inference algorithms:
+
+* a *latent* site is a ``sample`` site that is not observed and not a subsample (plate index)
+  site;
+* a site's log-density is ``fn.log_prob(value)`` with the site's ``scale`` (``poutine.scale``,
+  minibatch plates) and ``mask`` applied;
+* a ``PyroModule``'s ``PyroParam``s resolve through the parameter store (and so reach SVI) only
+  inside the module's context. Pyro enters it in ``forward`` and ``@pyro_method``s; ``init`` and
+  ``step`` are plain methods, so the engines enter it with :func:`module_context`.
+
+Example:
+    >>> import torch, pyro, pyro.distributions as dist
+    >>> from pyro_smc.tracing import latent_sites, site_log_probs, trace_program
+    >>> def step(state, y):
+    ...     state["x"] = pyro.sample("x_0", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+    ...     pyro.sample("y_0", dist.Normal(state["x"], 1.0).to_event(1), obs=y)
+    >>> trace = trace_program(step, {}, torch.zeros(3))
+    >>> latent_sites(trace)
+    ['x_0']
+    >>> sorted(site_log_probs(trace))
+    ['x_0', 'y_0']
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyro.poutine as poutine
+from pyro.nn import PyroModule
+from pyro.poutine.trace_struct import Trace
+from pyro.poutine.util import site_is_subsample
+from torch import Tensor
+
+__all__ = [
+    "is_latent",
+    "is_scored",
+    "latent_sites",
+    "module_context",
+    "param_sites",
+    "site_log_probs",
+    "trace_program",
+]
+
+
+def is_scored(site: dict) -> bool:
+    """Whether a trace node is a sample site with a log-density (not a plate's subsample site)."""
+    return site["type"] == "sample" and not site_is_subsample(site)
+
+
+def is_latent(site: dict) -> bool:
+    """Whether a trace node is a latent sample site: scored and not observed."""
+    return is_scored(site) and not site["is_observed"]
+
+
+def latent_sites(trace: Trace) -> list[str]:
+    """The names of a trace's latent sample sites, in the order the program sampled them."""
+    return [name for name, site in trace.nodes.items() if is_latent(site)]
+
+
+def param_sites(trace: Trace) -> list[str]:
+    """The names of the ``pyro.param`` sites a traced run read, in order."""
+    return [name for name, site in trace.nodes.items() if site["type"] == "param"]
+
+
+def site_log_probs(trace: Trace, names: Iterator[str] | None = None) -> dict[str, Tensor]:
+    """Scaled and masked log-densities of a trace's sample sites, by name.
+
+    Computed by Pyro's ``Trace.compute_log_prob`` (memoised on the trace), so a site's ``scale``
+    and ``mask`` are applied exactly as in Pyro's ELBOs.
+
+    Args:
+        trace: a Pyro trace.
+        names: the sites to score; all scored sites (:func:`is_scored`) when ``None``.
+
+    Returns:
+        ``{name: log_prob}``, each of the site distribution's batch shape.
+    """
+    wanted = None if names is None else set(names)
+    trace.compute_log_prob(lambda name, site: is_scored(site) and (wanted is None or name in wanted))
+    return {
+        name: site["log_prob"]
+        for name, site in trace.nodes.items()
+        if is_scored(site) and (wanted is None or name in wanted)
+    }
+
+
+@contextlib.contextmanager
+def module_context(*programs: Any) -> Iterator[None]:
+    """Enters the ``PyroModule`` context of every program that is a ``PyroModule``.
+
+    Inside it a module's ``PyroParam``s are ``pyro.param`` sites (visible to SVI and
+    ``poutine.trace``) and are cached for the duration, as in ``PyroModule.__call__``.
+    Non-modules (plain functions, ``None``) are skipped.
+    """
+    with contextlib.ExitStack() as stack:
+        for program in programs:
+            if isinstance(program, PyroModule):
+                stack.enter_context(program._pyro_context)
+        yield
+
+
+def trace_program(fn: Callable, *args: Any, block: bool = True, **kwargs: Any) -> Trace:
+    """Runs ``fn(*args, **kwargs)`` once under ``poutine.trace`` and returns its trace.
+
+    Args:
+        fn: a Pyro program (a model's ``init``/``step``, a whole-trajectory model, a guide).
+        block: hide the run's sites from enclosing handlers (SVI, another trace), as a
+            discovery run must; ``False`` lets enclosing handlers see them.
+
+    Returns:
+        The ``pyro.poutine.Trace`` of the run.
+    """
+    with poutine.block() if block else contextlib.nullcontext(), module_context(_owner(fn)):
+        return poutine.trace(fn).get_trace(*args, **kwargs)
+
+
+def _owner(fn: Callable) -> Any:
+    """The ``PyroModule`` a bound method belongs to (``model.step`` -> ``model``), else ``fn``."""
+    return getattr(fn, "__self__", fn)
