@@ -65,7 +65,10 @@ from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 from sklearn.datasets import load_digits
 
-from _common import RESULTS, add_common_args, command, merge_timing, print_rotated_timing, print_table, progress, rotated_step_timing, setup, write_results
+from _common import (
+    RESULTS, add_common_args, command, f2, f3, g3, merge_timing, num, plural, print_rotated_timing, print_table,
+    progress, rotated_step_timing, setup, write_results, yn,
+)
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
 ARCHS = ("mlp", "conv")
@@ -131,6 +134,7 @@ class ConvBNN(PyroModule):
 
 
 MODELS = {"mlp": BNN, "conv": ConvBNN}
+LABELS = {"mlp": "MLP", "conv": "conv"}  # each file's prefix in the summary table's row
 TITLES = {"mlp": "BNN 64-50-10", "conv": "conv BNN 1x8x8-c8-pool-c16-pool-10"}
 DESCRIPTIONS = {
     "mlp": "MLP 64-50-10, tanh; features standardised per pixel",
@@ -319,7 +323,7 @@ def run_arch(arch: str, steps: int, n_seeds: int, warmup: int, rounds: int) -> d
                      "ece_bins": ECE_BINS, "timing_warmup_steps": warmup},
         "per_seed": per, "summary": summary, "timing_interleaved": timing, "goals": goals,
         "total_wall_s": time.perf_counter() - t_start,
-    })
+    }, summary=summary_cells, label=LABELS[arch])
     return goals
 
 
@@ -327,11 +331,51 @@ def run_timing_only(arch: str, rounds: int, warmup: int, quick: bool) -> dict:
     """Interleaved timing alone, merged into the existing result file (or a new one if there is none)."""
     timing = timing_interleaved(arch, rounds, warmup)
     path = RESULTS / f"{result_name(arch)}{'.quick' if quick else ''}.json"
-    data = merge_timing(path, timing, compute_goals, {"benchmark": path.stem, "arch": arch})
+    data = merge_timing(path, timing, compute_goals, {"benchmark": path.stem, "arch": arch}, summary=summary_cells, label=LABELS[arch])
     print_timing(arch, timing, data.get("summary"))
     print(f"\n{arch} goals (time: interleaved ratio){'' if data.get('summary') else ' (no accuracy summary in the file)'}:", data["goals"])
     print(f"merged timing_interleaved and goals into {path}")
     return data["goals"]
+
+
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows the K-guides' test NLL / ECE and step time against AutoNormal.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    s = d["summary"]
+    kguides = [k for k in ("K-Linear", "K-Nonlinear") if k in s]
+    if "AutoNormal" not in s or not kguides:
+        raise ValueError("summary lacks AutoNormal or the K-guides")
+    timing = (d.get("timing_interleaved") or {}).get("guides")
+    if timing:
+        times = {k: timing[k]["ratio_vs_autonormal"] for k in kguides}
+        how = "interleaved"
+    else:
+        times = {k: s[k]["step_ratio_vs_autonormal"] for k in kguides}
+        how = "block"
+    goals = d.get("goals") or {}
+    parts = {}
+    for k in kguides:
+        g = goals.get(k) or {
+            "nll_beats_autonormal": num(s[k]["test_nll"]) < num(s["AutoNormal"]["test_nll"]),
+            "ece_beats_autonormal": num(s[k]["ece"]) < num(s["AutoNormal"]["ece"]),
+            "step_within_2x": times[k] <= 2,
+        }
+        parts[k] = {"NLL": g["nll_beats_autonormal"], "ECE": g["ece_beats_autonormal"], "time": g["step_within_2x"]}
+    met = "; ".join(f"{k}: " + ("yes" if all(v.values()) else ", ".join(f"{m} {yn(ok)}" for m, ok in v.items())) for k, v in parts.items())
+    steps = d.get("settings", {}).get("steps")
+    an = s["AutoNormal"]
+    return {
+        "ours": "test NLL / ECE: " + ", ".join(f"{k} {f3(s[k]['test_nll'])} / {f3(s[k]['ece'])}" for k in kguides)
+        + (f" ({steps} steps, {plural(d['settings'].get('seeds', '?'), 'seed')})" if steps else ""),
+        "anchor": f"AutoNormal {f3(an['test_nll'])} / {f3(an['ece'])}"
+        + (f", {g3(1e3 * timing['AutoNormal']['step_s_median'])} ms/step" if timing and "AutoNormal" in timing else ""),
+        "comparison": f"step time x AutoNormal ({how}): " + ", ".join(f"{k} {f2(v)}" for k, v in times.items()),
+        "goal": "K-Linear, K-Nonlinear beat AutoNormal on NLL and ECE; step time <= 2x",
+        "met": met,
+    }
 
 
 def main():

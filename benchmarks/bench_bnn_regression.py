@@ -76,7 +76,10 @@ from pyro.nn import PyroModule
 from pyro.optim import ClippedAdam
 from sklearn.datasets import load_diabetes
 
-from _common import RESULTS, add_common_args, command, merge_timing, print_rotated_timing, print_table, progress, rotated_step_timing, setup, write_results
+from _common import (
+    RESULTS, add_common_args, command, f2, f3, g3, merge_timing, plural, print_rotated_timing, print_table, progress,
+    rotated_step_timing, setup, write_results, yn,
+)
 from bench_bnn_digits import bayesian_linear  # N(0, 1) weight matrix and bias vector
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
@@ -387,7 +390,7 @@ def run(steps: int, n_seeds: int, warmup: int, rounds: int, num_pred: int) -> di
                                 "*_diff_vs_autonormal: per-seed guide minus AutoNormal, mean +- s.e."},
         "per_seed": per, "reference_ols_per_seed": reference, "summary": summary, "reference_ols": summary_ref,
         "timing_interleaved": timing, "goals": goals, "total_wall_s": time.perf_counter() - t_start, **code,
-    })
+    }, summary=summary_cells, label=DATA)
     return goals
 
 
@@ -395,7 +398,7 @@ def run_timing_only(rounds: int, warmup: int, quick: bool) -> dict:
     """Interleaved timing alone, merged into the existing result file (or a new one if there is none)."""
     timing = timing_interleaved(rounds, warmup)
     path = RESULTS / f"{result_name()}{'.quick' if quick else ''}.json"
-    data = merge_timing(path, timing, compute_goals, {"benchmark": path.stem})
+    data = merge_timing(path, timing, compute_goals, {"benchmark": path.stem}, summary=summary_cells, label=DATA)
     print_timing(timing, data.get("summary"))
     print_goals(data["goals"])
     print(f"merged timing_interleaved and goals into {path}")
@@ -404,6 +407,40 @@ def run_timing_only(rounds: int, warmup: int, quick: bool) -> dict:
 
 def result_name() -> str:
     return "bnn_regression" if DATA == "diabetes" else f"bnn_regression_{DATA}"
+
+
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows the K-guides' test NLL / RMSE and step time against AutoNormal.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    s, timing = d["summary"], d["timing_interleaved"]["guides"]
+    kguides = [k for k in ("K-Diag", "K-Linear", "K-Nonlinear") if k in s]
+    if "AutoNormal" not in s or not kguides:
+        raise ValueError("summary lacks AutoNormal or the K-guides")
+    pm = lambda m: f"{f3(m)} +- {f3(m[1])}"  # noqa: E731  [mean, se]
+    st = d.get("settings", {})
+    conditions = f" ({st['steps']} steps, {plural(st['seeds'], 'seed')}, mean +- s.e.)" if {"steps", "seeds"} <= st.keys() else ""
+    an = s["AutoNormal"]
+    goals = d.get("goals") or {}
+    parts, diffs = {}, {}
+    for k in kguides:
+        diff, se = diffs[k] = [float(v) for v in s[k]["nll_diff_vs_autonormal"]]
+        g = goals.get(k) or {}
+        nll_ok = g.get("nll_beats_autonormal_beyond_se", diff < -se)
+        time_ok = g.get("step_within_1.5x", timing[k]["ratio_vs_autonormal"] <= 1.5)
+        parts[k] = (nll_ok, time_ok)
+    met_any = goals.get("met", any(a and b for a, b in parts.values()))
+    detail = "; ".join(f"{k}: NLL {yn(a)}, time {yn(b)}" for k, (a, b) in parts.items())
+    return {
+        "ours": "test NLL / RMSE: " + ", ".join(f"{k} {pm(s[k]['test_nll'])} / {f2(s[k]['test_rmse'])}" for k in kguides) + conditions,
+        "anchor": f"AutoNormal {pm(an['test_nll'])} / {f2(an['test_rmse'])}, {g3(1e3 * timing['AutoNormal']['step_s_median'])} ms/step",
+        "comparison": "NLL - AutoNormal (paired): " + ", ".join(f"{k} {diffs[k][0]:+.3f} +- {diffs[k][1]:.3f}" for k in kguides)
+        + "; step time x AutoNormal (interleaved): " + ", ".join(f"{k} {f2(timing[k]['ratio_vs_autonormal'])}" for k in kguides),
+        "goal": goals.get("goal", "a Kronecker kind beats AutoNormal on NLL beyond the s.e. (paired) at <= 1.5x AutoNormal's time per step"),
+        "met": f"{yn(bool(met_any))} ({detail})",
+    }
 
 
 def main():

@@ -46,7 +46,7 @@ import time
 import numpy as np
 import torch
 
-from _common import add_common_args, print_table, progress, setup, write_results
+from _common import add_common_args, f2, f3, met_summary, plural, print_table, progress, setup, write_results, yn
 from pyro_smc import EPSmoother
 from pyro_smc.infer import gaussian_filter
 from pyro_smc.models import NonlinearGaussianSSM
@@ -154,6 +154,41 @@ def run_setting(name: str, ssm, data, iterations: tuple[int, int], power: float,
     return out
 
 
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows RMSE / NLL of EP-k against the paper's and its code's.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    res, paper = d["results"]["anchor"], d["anchors_paper"]
+    code = d.get("anchors_reference_code_rerun", {})
+    eps = [k for k in res if k.startswith("EP-") and k in paper and k != "EP-1"]
+    if not eps:
+        raise ValueError("no EP-k of the paper in results['anchor']")
+    first = res["EP-1"]
+    pair = lambda r: f"{f2(r['rmse_mean'])} / {f2(r['nll_mean'])}"  # noqa: E731
+    head = [f"{res.get('_smoother_name', 'EP-1')} {f3(first['rmse_mean'])} / {f3(first['nll_mean'])}"] + [f"{k} {pair(res[k])}" for k in eps]
+    diffs = [f"{k} {res[k]['rmse_mean'] - paper[k]['rmse']:+.2f} / {res[k]['nll_mean'] - paper[k]['nll']:+.2f}" for k in eps]
+    verdict = {}
+    for k in eps:
+        verdict[f"{k} RMSE"] = res[k]["rmse_mean"] <= paper[k]["rmse"]
+        verdict[f"{k} NLL"] = res[k]["nll_mean"] <= paper[k]["nll"]
+    plain = code.get("anchor/EP-1 plain")
+    anchor = "Kamthe et al. (2022): " + ", ".join(f"{k} {f2(paper[k]['rmse'])} / {f2(paper[k]['nll'])}" for k in eps)
+    comparison = "ours - paper: " + ", ".join(diffs)
+    if plain:
+        anchor += f"; their code rerun, plain first sweep {f3(plain['rmse'])} / {f3(plain['nll'])}"
+        same = round(first["rmse_mean"], 3) == round(plain["rmse"], 3) and round(first["nll_mean"], 3) == round(plain["nll"], 3)
+        comparison += f"; first sweep = their code to 3 decimals: {yn(same)}"
+    return {
+        "ours": f"anchor setting, RMSE / NLL ({plural(len(d.get('settings', {}).get('seeds', [])) or '?', 'seed')}): " + ", ".join(head),
+        "anchor": anchor,
+        "comparison": comparison,
+        "goal": "match or beat the paper's RMSE and NLL (main README)",
+        "met": met_summary(verdict),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -212,6 +247,7 @@ def main():
             "results": results,
         },
         dtype=torch.float64,
+        summary=summary_cells,
     )
 
 

@@ -29,12 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from _common import add_common_args, print_table, progress, setup, write_results
+from _common import add_common_args, f2, f3, f4, met_summary, print_table, progress, setup, write_results
 from pyro_smc import EPSmoother
 from pyro_smc.infer import extended_kalman_filter, extended_rts_smoother, unscented_kalman_filter, unscented_rts_smoother
 from pyro_smc.models import NonlinearGaussianSSM
@@ -111,6 +112,33 @@ def run_all(ssm, angles, ys, max_iter: int) -> dict:
     return out
 
 
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows angle RMSE of the smoothers against the book's.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    book, ours = d["anchors_book"], d["book_data"]
+    shared = [k for k in ("EKF", "ERTS", "UKF", "URTS") if k in book and k in ours]
+    eps = [k for k in ("EP linearization", "EP unscented") if k in ours]
+    sims = d.get("simulated", {})
+    sim_mean = {k: statistics.mean(s[k]["rmse"] for s in sims.values()) for k in eps if sims and all(k in s for s in sims.values())}
+    matches = {k: round(ours[k]["rmse"], 4) == round(book[k], 4) for k in shared}
+    ipls = next((v for k, v in book.items() if k.startswith("IPLS")), None)
+    best_ep = min(eps, key=lambda k: ours[k]["rmse"]) if eps else None
+    comparison = f"equal to the book to 4 decimals: {sum(matches.values())}/{len(matches)} ({', '.join(k for k, v in matches.items() if v)})"
+    if ipls is not None and best_ep:
+        comparison += f"; {best_ep} / IPLS {f2(ours[best_ep]['rmse'] / ipls)}"
+    return {
+        "ours": "angle RMSE on the book's data: " + ", ".join(f"{k} {f4(ours[k]['rmse'])}" for k in ("ERTS", "URTS", *eps) if k in ours)
+        + ("; mean of simulations: " + ", ".join(f"{k} {f3(v)}" for k, v in sim_mean.items()) if sim_mean else ""),
+        "anchor": "Sarkka and Svensson (2023): " + ", ".join(f"{k} {f4(v)}" for k, v in book.items()),
+        "comparison": comparison,
+        "goal": "match the book (main README)",
+        "met": met_summary(matches),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -154,6 +182,7 @@ def main():
             "simulated": {str(k): v for k, v in seeds.items()},
         },
         dtype=torch.float64,
+        summary=summary_cells,
     )
 
 

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 import torch
 
-from _common import add_common_args, print_table, setup, timeit_interleaved, write_results
+from _common import add_common_args, g3, print_table, ratio, setup, timeit_interleaved, write_results, yn
 from pyro_smc import EPSmoother
 from pyro_smc.gp import MultiOutputGP
 from pyro_smc.models import NonlinearGaussianSSM
@@ -57,6 +58,31 @@ def make_model(latent: int, outputs: int, num_train: int, lengthscales: str = "s
     gp_g = MultiOutputGP(X, Y_g, lengthscale=ell_g, variance=1.0, noise=0.01)
     eye_d, eye_e = torch.eye(latent, dtype=f64), torch.eye(outputs, dtype=f64)
     return NonlinearGaussianSSM(gp_f, 0.01 * eye_d, gp_g, 0.01 * eye_e, torch.zeros(latent, dtype=f64), eye_d)
+
+
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows seconds per time slice against the paper's.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    res = d["results"]
+
+    def label(name: str) -> str:
+        m = re.match(r"(EP-\w+).*?(shared|distinct)", name)
+        return f"{m.group(1)} {m.group(2)}" if m else name
+
+    speed = {label(k): v["speedup_over_paper"] for k, v in res.items()}
+    papers = {}
+    for k, v in res.items():
+        papers.setdefault(label(k).split()[0], v["paper_seconds_per_slice"])
+    return {
+        "ours": "s per time slice: " + ", ".join(f"{label(k)} {g3(v['seconds_per_slice'])}" for k, v in res.items()),
+        "anchor": "Deisenroth and Mohamed (2012): " + ", ".join(f"{k} {g3(v)} s" for k, v in papers.items()),
+        "comparison": "speed-up " + ", ".join(f"{k} {ratio(v)}" for k, v in speed.items()),
+        "goal": d.get("goal", "speed-up over the paper >= 20, aim 100"),
+        "met": f"{yn(min(speed.values()) >= 20)} (min {ratio(min(speed.values()))}); aim 100x: {sum(v >= 100 for v in speed.values())}/{len(speed)}",
+    }
 
 
 def main():
@@ -102,6 +128,7 @@ def main():
             "results": records,
         },
         dtype=torch.float64,
+        summary=summary_cells,
     )
 
 

@@ -23,6 +23,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import SUMMARY_KEY, generic_cells, summary_record  # noqa: E402
 from pyro_smc.models import LinearGaussianSSM  # noqa: E402
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning  # noqa: E402
 from pyro_smc.resamplers import OTResampler  # noqa: E402
@@ -35,6 +36,17 @@ def exact(ys: torch.Tensor, theta: float) -> tuple[float, float]:
     ll = LinearGaussianSSM(th * one, one, one, 0.09 * one, torch.zeros(1, dtype=torch.float64), one).log_evidence(ys.reshape(-1, 1))
     (grad,) = torch.autograd.grad(ll, th)
     return float(ll.detach()), float(grad)
+
+
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The generic reading of its method -> metrics table (``_common.generic_cells``); the prefix says
+    that the row was not laid out for this benchmark.
+    """
+    cells = generic_cells(d)
+    cells["ours"] = "(no dedicated extractor) " + cells["ours"]
+    return cells
 
 
 def main() -> None:
@@ -72,7 +84,9 @@ def main() -> None:
         print(f"epsilon {eps:5.2f}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
     out = ROOT / "benchmarks" / "results" / f"bench_epsilon{'.quick' if args.quick else ''}.json"
     settings = {"runs": runs, "T": steps, "num_particles": 100, "dtype": "float32", "theta": args.theta, "seed": 7, "data_seed": 0}
-    out.write_text(json.dumps({"settings": settings, "exact": {"log_likelihood": log_lik, "score": score}, "results": results}, indent=1))
+    data = {"settings": settings, "exact": {"log_likelihood": log_lik, "score": score}, "results": results}
+    data[SUMMARY_KEY] = summary_record(out.name[: -len(".json")], data, summary_cells)
+    out.write_text(json.dumps(data, indent=1))
 
 
 if __name__ == "__main__":

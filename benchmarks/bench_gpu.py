@@ -28,7 +28,7 @@ import time
 import pyro
 import torch
 
-from _common import add_common_args, print_table, progress, setup, write_results
+from _common import add_common_args, f2, g3, print_table, progress, ratio, setup, write_results
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import OTResampler, SystematicResampler
@@ -85,6 +85,39 @@ def bnn_timing(device, steps: int, args=None) -> dict:
     return {name: {"ms_per_step": 1e3 * statistics.median(t), "x_autonormal": statistics.median(t) / base} for name, t in times.items()}
 
 
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows ms per step on the device, OT against systematic and the conv BNN's guides.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    smc, bnn = d.get("smc") or [], d.get("bnn_conv") or {}
+    if not smc and not bnn:
+        raise ValueError("neither 'smc' nor 'bnn_conv'")
+    key = lambda e: f"({e['N']}, {e['B']})"  # noqa: E731
+    head, anchor, comp = [], [], []
+    if smc:
+        head.append("OT ms/step at (N, filters) " + ", ".join(f"{key(e)} {g3(e['ot']['ms_per_step'])}" for e in smc))
+        peak = max(smc, key=lambda e: (e["N"], e["B"]))
+        if peak["ot"].get("peak_mib") is not None:
+            head[-1] += f" (peak {peak['ot']['peak_mib']:.0f} MiB at {key(peak)})"
+        anchor.append("systematic " + ", ".join(f"{key(e)} {g3(e['systematic']['ms_per_step'])}" for e in smc))
+        comp.append("OT / systematic " + ", ".join(f"{key(e)} {ratio(e['ot_over_systematic'])}" for e in smc))
+    if bnn:
+        ks = [k for k in bnn if k != "AutoNormal"]
+        head.append("conv BNN ms/step " + ", ".join(f"{k} {g3(bnn[k]['ms_per_step'])}" for k in ks))
+        if "AutoNormal" in bnn:
+            anchor.append(f"AutoNormal {g3(bnn['AutoNormal']['ms_per_step'])} ms/step")
+        comp.append("x AutoNormal " + ", ".join(f"{k} {f2(bnn[k]['x_autonormal'])}" for k in ks))
+    return {
+        "ours": "; ".join(head),
+        "anchor": "; ".join(anchor),
+        "comparison": "; ".join(comp),
+        "goal": "none stated (scale-out run)",
+        "met": "n/a",
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
@@ -113,7 +146,7 @@ def main():
     bnn = bnn_timing(device, 3 if args.quick else 100, args)
     print_table(["guide", "ms/step", "x AutoNormal"], [[k, v["ms_per_step"], v["x_autonormal"]] for k, v in bnn.items()], title=f"conv BNN on {device}")
     name = "gpu" if device.type == "cuda" else "gpu.cpu"
-    write_results(name, {"device": str(device), "smc": smc_results, "bnn_conv": bnn})
+    write_results(name, {"device": str(device), "smc": smc_results, "bnn_conv": bnn}, summary=summary_cells)
 
 
 if __name__ == "__main__":

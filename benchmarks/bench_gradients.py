@@ -61,7 +61,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from _common import RESULTS, add_common_args, print_table, progress, setup, write_results
+from _common import RESULTS, add_common_args, generic_cells, print_table, progress, setup, write_results
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.ops.kalman import kalman_filter
@@ -367,6 +367,17 @@ def fmt_vec(v):
     return v[0] if len(v) == 1 else "(" + ", ".join(f"{x:.1f}" for x in v) + ")"
 
 
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The generic reading of its method -> metrics table (``_common.generic_cells``); the prefix says
+    that the row was not laid out for this benchmark.
+    """
+    cells = generic_cells(d)
+    cells["ours"] = "(no dedicated extractor) " + cells["ours"]
+    return cells
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -473,7 +484,7 @@ def main():
             "goal": {"text": goal_text, "met": bool(goals) and all(g["met"] for g in goals.values()) and done, "per_group": goals},
             "summary_group": f"{head['model']} theta={head['theta']:g} {head['dtype']}", "summary": summary,
             "finished": done, "wall_s": time.perf_counter() - start, **git, "library_sha256": fingerprint,
-        })
+        }, summary=summary_cells)
 
     if args.workers > 1:
         pool = mp.get_context("fork").Pool(args.workers)
@@ -492,7 +503,7 @@ def main():
         pool.join()
     elapsed = time.perf_counter() - start
 
-    for key, group in groups.items():
+    for group in groups.values():
         res = group["resamplers"]
         ot = res.get("ot_implicit")
         rows = []

@@ -63,7 +63,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer import SMCFilter
 
-from _common import BootstrapGuide, add_common_args, print_table, progress, setup, write_results
+from _common import BootstrapGuide, add_common_args, generic_cells, print_table, progress, setup, write_results
 from pyro_smc import SMC, OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.infer import extended_kalman_filter
@@ -213,7 +213,7 @@ def main():
         payload = {"protocol": protocol, "settings": settings, "records": records, "finished": done}
         if records:
             payload["mean_over_seeds"] = summarise(records)
-        write_results("online_chaotic_rnn", payload)
+        write_results("online_chaotic_rnn", payload, summary=generic_cells)
         return payload.get("mean_over_seeds", {})
 
     for seed in progress(range(seeds), "seeds"):
@@ -296,7 +296,7 @@ def main():
         met = summary["vf"]["rmse"] <= GOAL_RATIO * summary["pf_ref"]["rmse"] and summary["vf"]["rmse"] < summary["ekf"]["rmse"]
         print(f"goal (vf RMSE <= {GOAL_RATIO} x pf_ref and < EKF): {'met' if met else 'NOT met'}")
         payload = {"protocol": protocol, "settings": settings, "records": records, "finished": True, "mean_over_seeds": summary, "goal_met": met}
-        write_results("online_chaotic_rnn", payload)
+        write_results("online_chaotic_rnn", payload, summary=generic_cells)
 
 
 def summarise(records) -> dict:

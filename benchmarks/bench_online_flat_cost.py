@@ -78,7 +78,7 @@ import pyro
 import torch
 from pyro.infer import SMCFilter
 
-from _common import BootstrapGuide, add_common_args, print_table, progress, setup, write_results
+from _common import BootstrapGuide, add_common_args, f2, g3, print_table, progress, setup, write_results, yn
 from pyro_smc import SMC, OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.models import DiagonalLinearGaussianSSM
@@ -314,6 +314,59 @@ def ratios(result: dict) -> dict:
     return {r["t"]: {k: f(r) / f(base) if f(base) else float("nan") for k, f in keys.items()} for r in cps}
 
 
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows per-step CPU time and reachable bytes as t grows, against the first checkpoint.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    res = d["results"]
+    cps = d.get("settings", {}).get("checkpoints") or [c["t"] for c in next(iter(res.values()))["checkpoints"]]
+    first, last = str(cps[0]), str(cps[-1])
+
+    def rat(m: str) -> str:
+        r = res[m]
+        if "error" in r:
+            return f"{m}: error ({r['error']})"
+        rt = r["ratios_to_first"].get(last)
+        if rt is None:
+            return f"{m}: incomplete"
+        return f"{m}: CPU {f2(rt['cpu'])}x, bytes {f2(rt['reachable_bytes'])}x"
+
+    ours = [m for m in ("vf", "vf+learn") if m in res]
+    anchors = [m for m in res if m not in ours]
+    cpu_ms = []
+    for m in ours:
+        cks = res[m].get("checkpoints") or []
+        if cks:
+            cpu_ms.append(f"{m} {g3(1e3 * cks[0]['median_cpu_s'])} -> {g3(1e3 * cks[-1]['median_cpu_s'])}")
+    vf_err = None
+    if "vf" in res and res["vf"].get("checkpoints"):
+        vf_err = res["vf"]["checkpoints"][-1].get("max_abs_mean_error_over_kalman_sd")
+    goal = d.get("goal") or {}
+    if goal:
+        parts = []
+        for m, g in goal.items():
+            if g.get("met"):
+                parts.append(f"{m}: yes")
+            elif "reason" in g:
+                parts.append(f"{m}: **no** ({g['reason']})")
+            else:
+                parts.append(f"{m}: **no** (" + ", ".join(f"{k.replace('_ok', '').replace('_', ' ')} {yn(v)}" for k, v in g.items() if k != "met") + ")")
+        met = "; ".join(parts)
+    else:
+        met = "pending (run unfinished)" if d.get("finished") is False else "n/a (no goal stored)"
+    return {
+        "ours": f"CPU ms/step t = {first} -> {last}: " + ", ".join(cpu_ms) + f"; ratios t = {last} / t = {first}: " + "; ".join(rat(m) for m in ours)
+        + (f"; vf mean error at t = {last} {f2(vf_err)} Kalman sd" if vf_err is not None else ""),
+        "anchor": "learn nothing, ratios t = {} / t = {}: ".format(last, first) + "; ".join(rat(m) for m in anchors),
+        "comparison": "our per-step CPU time and reachable bytes vs the first checkpoint (anchors: `pyro_smc.SMC` keeps a history; SMCFilter none)",
+        "goal": f"vf, vf+learn: CPU time/step and reachable tensor bytes at t = {', '.join(map(str, cps[1:]))} <= 1.1x t = {first}; "
+        "parameter, Adam-state and param-store counts unchanged",
+        "met": met,
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -394,7 +447,8 @@ def main():
                 results[method] = {"method": method, "checkpoints": [], "error": "worker process died"}
             proc.join()
             results[method]["ratios_to_first"] = ratios(results[method])
-            write_results("online_flat_cost", {"protocol": protocol, "settings": settings, "results": results, "finished": False})
+            write_results("online_flat_cost", {"protocol": protocol, "settings": settings, "results": results, "finished": False},
+                          summary=summary_cells)
             bar.update()
     bar.close()
     results = {m: results[m] for m in methods}
@@ -413,7 +467,7 @@ def main():
         time_ok = all(x["cpu"] <= GOAL_RATIO for x in later)
         bytes_ok = all(x["reachable_bytes"] <= GOAL_RATIO for x in later)
         goal[method] = {"cpu_time_ok": time_ok, "reachable_bytes_ok": bytes_ok, "counts_unchanged": counts_same, "met": time_ok and bytes_ok and counts_same}
-    write_results("online_flat_cost", {"protocol": protocol, "settings": settings, "results": results, "goal": goal, "finished": True})
+    write_results("online_flat_cost", {"protocol": protocol, "settings": settings, "results": results, "goal": goal, "finished": True}, summary=summary_cells)
 
     rows = []
     for method, r in results.items():

@@ -23,7 +23,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-from _common import add_common_args, print_table, progress, setup, write_results
+from _common import add_common_args, f3, print_table, progress, ratio, setup, write_results, yn
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import OTResampler, SystematicResampler
@@ -72,6 +72,28 @@ def one_call(resampler, ys, num_filters, num_particles):
     loss.backward()
     end = time.perf_counter()
     return mid - start, end - mid, float(loss.detach()), theta.grad.clone(), float(smc.resampled.float().mean())
+
+
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows OT resampling's forward + backward cost against systematic resampling.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    res, s = d["results"], d.get("settings", {})
+    default, base = res["ot_implicit_scaling0.75"], res["systematic"]
+    others = {"scaling 0": "ot_implicit_scaling0", "last_step": "ot_last_step_scaling0.75", "unroll": "ot_unroll_scaling0.75"}
+    others = {label: res[key] for label, key in others.items() if key in res}
+    size = f"{s['num_filters']} filters x {s['num_particles']} particles, T = {s['T']}: " if {"num_filters", "num_particles", "T"} <= s.keys() else ""
+    return {
+        "ours": f"{size}OT implicit (default) {f3(default['total_s'])} s forward + backward "
+        f"({f3(default['forward_s'])} + {f3(default['backward_s'])})",
+        "anchor": f"`SystematicResampler` {f3(base['total_s'])} s ({f3(base['forward_s'])} + {f3(base['backward_s'])})",
+        "comparison": f"OT / systematic {ratio(default['ratio_over_systematic'])}"
+        + (" (" + ", ".join(f"{k} {ratio(v['ratio_over_systematic'])}" for k, v in others.items()) + ")" if others else ""),
+        "goal": d.get("goal", "ratio OT implicit / systematic <= 3"),
+        "met": f"{yn(default['ratio_over_systematic'] <= 3)} ({ratio(default['ratio_over_systematic'])})",
+    }
 
 
 def main():
@@ -140,6 +162,7 @@ def main():
             "goal": "ratio OT implicit / systematic <= 3",
             "results": records,
         },
+        summary=summary_cells,
     )
 
 

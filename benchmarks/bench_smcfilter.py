@@ -25,7 +25,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer import SMCFilter
 
-from _common import add_common_args, print_table, progress, setup, timeit_interleaved, write_results
+from _common import add_common_args, f2, print_table, progress, setup, slash, timeit_interleaved, write_results, yn
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import SystematicResampler
@@ -68,6 +68,26 @@ def run_smcfilter(ssm, guide, ys, n):
 
 def run_ours(ssm, guide, ys, n):
     return SMC(ssm, guide, num_particles=n, resampler=SystematicResampler()).run(ys)
+
+
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows forward cost per step against ``pyro.infer.SMCFilter``.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    res = sorted(d["results"], key=lambda r: r["num_particles"])
+    ns = " / ".join(str(r["num_particles"]) for r in res)
+    boot = [r["ratio_ours_bootstrap_over_smcfilter"] for r in res]
+    guide = [r["ratio_ours_guide_over_smcfilter"] for r in res]
+    return {
+        "ours": f"forward ms/step at N = {ns}: ours (guide=None) {slash([r['ours_bootstrap_ms_per_step'] for r in res], f2)}; "
+        f"ours + guide {slash([r['ours_guide_ms_per_step'] for r in res], f2)}",
+        "anchor": f"`pyro.infer.SMCFilter` {slash([r['smcfilter_ms_per_step'] for r in res], f2)} ms/step",
+        "comparison": f"ours / SMCFilter {slash(boot, f2)}; ours + guide / SMCFilter {slash(guide, f2)}",
+        "goal": d.get("goal", "ratio ours/SMCFilter <= 1 (aim 0.5)"),
+        "met": f"guide=None: {yn(max(boot) <= 1)}; + guide: {yn(max(guide) <= 1)}; aim 0.5: {yn(max(boot) <= 0.5)}",
+    }
 
 
 def main():
@@ -137,6 +157,7 @@ def main():
             "goal": "ratio ours/SMCFilter <= 1 (aim 0.5)",
             "results": records,
         },
+        summary=summary_cells,
     )
 
 

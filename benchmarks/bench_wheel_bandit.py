@@ -70,7 +70,7 @@ from pyro.infer.autoguide.initialization import init_to_value
 from pyro.nn import PyroModule, PyroSample
 from pyro.optim import Adam
 
-from _common import add_common_args, print_table, progress, setup, write_results
+from _common import add_common_args, num, plural, print_table, progress, setup, write_results
 from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
 
 NUM_ACTIONS = 5
@@ -267,6 +267,33 @@ def fmt(m) -> str:
     return f"{m[0]:.2f} +- {m[1]:.2f}"
 
 
+def summary_cells(d: dict) -> dict:
+    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
+
+    The row shows regret per guide and delta, in % of the uniform policy's.
+    :func:`_common.write_results` stores them in the file, as its summary record.
+    """
+    summ = d["summary"]
+    deltas = sorted(summ, key=float)
+    guides = [g for g in summ[deltas[0]] if g not in ("Uniform (simulated)", "Oracle")]
+    kguides = [g for g in guides if g.startswith("K-")]
+    pct = {g: [num(summ[dl][g]["normalised_regret_pct"]) for dl in deltas] for g in guides}
+    best = [min(guides, key=lambda g, i=i: pct[g][i]) for i in range(len(deltas))]
+    beats = sum(any(pct[k][i] < pct["AutoNormal"][i] for k in kguides) for i in range(len(deltas))) if "AutoNormal" in pct else None
+    p = d.get("protocol", {})
+    conditions = f" ({plural(p['seeds'], 'seed')}, {p['train_iters']} SVI iterations per retraining)" if {"seeds", "train_iters"} <= p.keys() else ""
+    unif = [num(summ[dl]["Uniform (simulated)"]["normalised_regret_pct"]) for dl in deltas if "Uniform (simulated)" in summ[dl]]
+    show = lambda g: " / ".join(f"{v:.0f}" for v in pct[g])  # noqa: E731
+    return {
+        "ours": f"regret in % of uniform at delta {' / '.join(deltas)}: " + "; ".join(f"{g} {show(g)}" for g in kguides) + conditions,
+        "anchor": "; ".join(f"{g} {show(g)}" for g in guides if g not in kguides) + "; uniform policy = 100"
+        + (f" (simulated {' / '.join(f'{v:.0f}' for v in unif)})" if unif else ""),
+        "comparison": "lowest per delta: " + ", ".join(best) + (f"; a K-guide beats AutoNormal at {beats}/{len(deltas)} deltas" if beats is not None else ""),
+        "goal": "none stated (the paper's Table 4 numbers are not available)",
+        "met": "n/a",
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -391,7 +418,7 @@ def main():
         "mean_wall_s_per_run": timing,
         "git_head": _git_head(),
         "total_wall_s": time.perf_counter() - t_start,
-    })
+    }, summary=summary_cells)
 
 
 if __name__ == "__main__":
