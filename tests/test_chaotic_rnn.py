@@ -58,12 +58,26 @@ def test_gaussian_surrogate_and_errors():
     with pytest.raises(ValueError, match="tau"):
         ChaoticRNN(tau=0.0)
     with pytest.raises(ValueError, match="weight"):
-        ChaoticRNN(dim=3, weight=torch.eye(2))
+        ChaoticRNN(state_dim=3, weight=torch.eye(2))
 
 
 def test_laplace_start_on_a_student_t_observation():
     """x ~ N(0, 1), y ~ t_2(x, 0.1), y = 2: the exact posterior mean is about 1.9. An unclipped
     Newton step from the prior mean (where log g is convex) once started the filter at 5.7."""
-    vf = OnlineVariationalFilter(ChaoticRNN(dim=1, generator=torch.Generator().manual_seed(0)), StreamingFilterGuide(1), num_iterations=0)
+    vf = OnlineVariationalFilter(ChaoticRNN(state_dim=1, generator=torch.Generator().manual_seed(0)), StreamingFilterGuide(1), num_iterations=0)
     vf.step(torch.tensor([2.0]))
     assert 1.5 < float(vf.filtering_distribution().mean) < 2.5
+
+
+def test_state_dim_and_the_old_dim_name():
+    from pyro_smc.models.protocol import GaussianStateSpaceModel, StateSpaceModel
+
+    rnn = ChaoticRNN(3, generator=torch.Generator().manual_seed(0))
+    assert rnn.state_dim == rnn.obs_dim == 3
+    assert isinstance(rnn, StateSpaceModel) and not isinstance(rnn, GaussianStateSpaceModel)
+    assert isinstance(rnn.as_nonlinear_gaussian(), GaussianStateSpaceModel)
+    with pytest.warns(FutureWarning, match="state_dim"):
+        old = ChaoticRNN(dim=3, weight=rnn.weight)
+    assert old.state_dim == 3
+    with pytest.warns(FutureWarning, match="state_dim"):
+        assert rnn.dim == 3

@@ -1,5 +1,7 @@
 """Inference algorithms: :class:`SMC` and its loss :class:`SMCELBO`; :class:`EPSmoother` and the
-Gaussian filters and smoothers it refines; :class:`OnlineVariationalFilter`."""
+Gaussian filters and smoothers it refines, with their projections (:class:`Linearization`,
+:class:`Unscented`, :class:`MomentMatching`, subclasses of :class:`Projection`);
+:class:`OnlineVariationalFilter`."""
 
 from pyro_smc.infer.ep_smoother import EPSmoother
 from pyro_smc.infer.gaussian_smoothers import (
@@ -14,6 +16,7 @@ from pyro_smc.infer.gaussian_smoothers import (
     unscented_rts_smoother,
 )
 from pyro_smc.infer.online import OnlineVariationalFilter
+from pyro_smc.infer.projections import Linearization, MomentMatching, Projection, Unscented
 from pyro_smc.infer.smc import SMC, SMCFailedError
 from pyro_smc.infer.smc_elbo import SMCELBO
 
@@ -22,7 +25,11 @@ __all__ = [
     "SMCELBO",
     "EPSmoother",
     "GaussianSmootherResult",
+    "Linearization",
+    "MomentMatching",
     "OnlineVariationalFilter",
+    "Projection",
+    "Unscented",
     "SMCFailedError",
     "extended_kalman_filter",
     "extended_rts_smoother",

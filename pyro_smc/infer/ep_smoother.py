@@ -3,8 +3,12 @@ r"""Iterated expectation-propagation smoothing for nonlinear Gaussian state-spac
 The posterior marginal of each state is a product of three Gaussian messages,
 ``q(x_t) = q_fwd(x_t) q_meas(x_t) q_bwd(x_t)``, stored in natural form ``(eta, Lambda)``
 (Deisenroth and Mohamed, 2012). An EP update of message ``i`` removes it
-(the cavity ``q / q_i^alpha``), projects the cavity through the factor's nonlinearity (see
-:mod:`pyro_smc.infer.projections`) and puts back the message the projected factor implies.
+(the cavity ``q / q_i^alpha``), projects the cavity through the factor's nonlinearity with a
+:class:`~pyro_smc.infer.projections.Projection` and puts back the message the projected factor
+implies. The model is any :class:`~pyro_smc.models.protocol.GaussianStateSpaceModel`
+(``NonlinearGaussianSSM``, ``LinearGaussianSSM``, ...). Missing data follow the rule of
+:mod:`pyro_smc.models.protocol`: an all-NaN step has no measurement message; a partly NaN one
+gets the message of its observed entries.
 
 With the paper's consistent derivatives the projection is the implicit linear model
 ``a = J x + c + eps``, ``J = C^T P^{-1}``, ``Cov[eps] = S_a - J P J^T`` fitted at the cavity, and
@@ -28,14 +32,17 @@ sweep to the Kalman smoother.
 Example:
     >>> import torch
     >>> from pyro_smc import EPSmoother
+    >>> from pyro_smc.infer.projections import Unscented
     >>> from pyro_smc.models import NonlinearGaussianSSM
     >>> one = torch.ones(1, 1, dtype=torch.float64)
     >>> ssm = NonlinearGaussianSSM(lambda x: 0.5 * x + torch.sin(x), one, lambda x: x**2 / 20, one,
     ...                            torch.zeros(1, dtype=torch.float64), one)
     >>> _, ys = ssm.simulate(30, generator=torch.Generator().manual_seed(0))
-    >>> out = EPSmoother(ssm, projection="unscented", max_iter=20).smooth(ys)
+    >>> out = EPSmoother(ssm, projection=Unscented(), max_iter=20).smooth(ys)
     >>> out.means.shape, len(out.history) <= 20, out.first_sweep is not None
     (torch.Size([30, 1]), True, True)
+    >>> out.history[0].change
+    inf
 
 References:
     Deisenroth, Mohamed (2012). Expectation propagation in Gaussian process dynamical systems.
@@ -47,9 +54,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.gaussian_smoothers import GaussianSmootherResult, check_observations
-from pyro_smc.infer.projections import PROJECTIONS, project, unscented_settings
+from pyro_smc.infer.gaussian_smoothers import observation_status, observed_moments
+from pyro_smc.infer.projections import Projection, as_projection
+from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
 from pyro_smc.ops.gaussian import damp, is_proper, symmetrize, to_moment, to_natural
+from pyro_smc.ops.results import EPIteration, GaussianSmootherResult
 
 __all__ = ["EPSmoother"]
 
@@ -60,35 +69,36 @@ class EPSmoother:
     """Iterated EP smoother (EP-EKS, EP-URTSS, EP-GPADS, ...).
 
     Args:
-        ssm: a :class:`pyro_smc.models.NonlinearGaussianSSM`.
-        projection: ``"moment_matching"`` (exact for GP components, unscented otherwise),
-            ``"linearization"`` or ``"unscented"``.
+        ssm: a :class:`~pyro_smc.models.protocol.GaussianStateSpaceModel`.
+        projection: a :class:`~pyro_smc.infer.projections.Projection`
+            (``MomentMatching()``, ``Linearization()``, ``Unscented(...)`` or a subclass), or the
+            name of a default one: ``"moment_matching"`` (exact for GP components, unscented
+            otherwise), ``"linearization"`` or ``"unscented"``.
         max_iter: maximum number of forward-backward sweeps (the first is the plain smoother).
         damping: ``gamma`` in ``(0, 1]``; messages move to ``(1 - gamma) old + gamma new`` in
             natural parameters from the second sweep on. 1 is no damping.
         power: ``alpha`` in ``(0, 1]`` of power EP (cavities ``q / q_i^alpha``), from the second
             sweep on. 1 is plain EP.
         tol: stop when no marginal's mean or covariance entry changed by more than this.
-        unscented: ``alpha``, ``beta``, ``kappa`` of the sigma points, or
-            ``{"transition": {...}, "observation": {...}}`` to set them per factor.
+        unscented: deprecated (``FutureWarning``): sigma-point settings, one dict or
+            ``{"transition": {...}, "observation": {...}}``; use ``projection=Unscented(...)``.
 
     An update whose cavity is not a proper Gaussian is skipped; one that would make the marginal
     improper is retried with the damping halved (up to three times) and then skipped. Both are
-    counted in ``history[k]["skipped"]``.
+    counted in ``history[k].skipped``.
     """
 
     def __init__(
         self,
-        ssm,
-        projection: str = "moment_matching",
+        ssm: GaussianStateSpaceModel,
+        projection: Projection | str = "moment_matching",
         max_iter: int = 10,
         damping: float = 1.0,
         power: float = 1.0,
         tol: float = 1e-6,
         unscented: dict | None = None,
     ):
-        if projection not in PROJECTIONS:
-            raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+        strategy = as_projection(projection, unscented)
         if int(max_iter) < 1:
             raise ValueError(f"max_iter must be >= 1, got {max_iter!r}")
         for name, value in (("damping", damping), ("power", power)):
@@ -103,22 +113,24 @@ class EPSmoother:
         self.power = float(power)
         self.tol = float(tol)
         self.unscented = unscented
-        self._ut_transition = unscented_settings(unscented, "transition")
-        self._ut_observation = unscented_settings(unscented, "observation")
+        self.strategy = strategy
+        self._transition_projection = strategy.for_factor("transition")
+        self._observation_projection = strategy.for_factor("observation")
 
     # --- one projection per factor ------------------------------------------------------------
     def _transition(self, cavity: Natural, t: int):
         """Implicit linear model of ``x_{t+1} = f(x_t) + w`` at the cavity on ``x_t``."""
         mean, cov = to_moment(*cavity)
-        ssm = self.ssm
-        M, S, C = project(ssm.transition, mean, cov, t, self.projection, ssm.transition_cov, ssm.transition_takes_time, self._ut_transition)
+        M, S, C = self._transition_projection.moments(self.ssm.transition_fn, mean, cov, t, self.ssm.transition_cov)
         J = torch.linalg.solve(cov, C).transpose(-1, -2)  # C^T P^{-1}
         return mean, J, M, S, symmetrize(S - J @ C)
 
-    def _measurement(self, cavity: Natural, y: Tensor, t: int) -> Natural:
+    def _measurement(self, cavity: Natural, y: Tensor, observed: Tensor | None, t: int) -> Natural:
+        """The measurement message of ``y``'s entries where ``observed`` (``None``: all of them)."""
         mean, cov = to_moment(*cavity)
-        ssm = self.ssm
-        mu, S_y, C = project(ssm.observation, mean, cov, t, self.projection, ssm.observation_cov, ssm.observation_takes_time, self._ut_observation)
+        mu, S_y, C = self._observation_projection.moments(self.ssm.observation_fn, mean, cov, t, self.ssm.observation_cov)
+        if observed is not None:
+            y, mu, S_y, C = observed_moments(y, observed, mu, S_y, C)
         J = torch.linalg.solve(cov, C).transpose(-1, -2)
         noise = symmetrize(S_y - J @ C)
         c = mu - J @ mean
@@ -143,14 +155,17 @@ class EPSmoother:
 
     # --- the sweeps -------------------------------------------------------------------------
     def smooth(self, observations: Tensor) -> GaussianSmootherResult:
-        """Runs EP on ``observations`` ``(T, e)`` (NaN entries: missing measurement at that step).
+        """Runs EP on ``observations`` ``(T, e)`` (NaN entries are missing; a list of ``(e,)``
+        tensors and ``None`` works too).
 
         Returns:
-            :class:`pyro_smc.infer.gaussian_smoothers.GaussianSmootherResult` with the EP
-            marginals, ``first_sweep``, ``history`` and ``converged``.
+            :class:`~pyro_smc.ops.results.GaussianSmootherResult` with the EP marginals,
+            ``first_sweep``, ``history`` (a tuple of :class:`~pyro_smc.ops.results.EPIteration`)
+            and ``converged``; ``log_evidence`` is ``None`` (EP does not estimate it).
         """
         ssm = self.ssm
-        ys, observed = check_observations(observations, ssm.obs_dim)
+        ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
+        status = observation_status(observed)
         T, d = ys.shape[0], ssm.state_dim
         zero = (ssm.init_mean.new_zeros(d), ssm.init_mean.new_zeros(d, d))
         fwd = [to_natural(ssm.init_mean, ssm.init_cov)] + [zero] * (T - 1)
@@ -163,7 +178,7 @@ class EPSmoother:
             lam = sum((1 - alpha if k == skip else 1.0) * v[1] for k, v in parts.items())
             return eta, lam
 
-        history: list[dict] = []
+        history: list[EPIteration] = []
         first_sweep, previous, converged = None, None, False
         for sweep in range(self.max_iter):
             alpha = 1.0 if sweep == 0 else self.power
@@ -193,10 +208,10 @@ class EPSmoother:
                         accept(fwd, t, self._forward(transitions[t - 1], alpha))
                     else:
                         skipped += 1
-                if bool(observed[t]):
+                if status[t]:
                     cavity = marginal(t, "meas", alpha)
                     if bool(is_proper(cavity[1])):
-                        accept(meas, t, self._measurement(cavity, ys[t], t))
+                        accept(meas, t, self._measurement(cavity, ys[t], observed[t] if status[t] == 1 else None, t))
                     else:
                         skipped += 1
             for t in range(T - 2, -1, -1):
@@ -209,11 +224,11 @@ class EPSmoother:
             means = torch.stack([m for m, _ in moments])
             covs = torch.stack([P for _, P in moments])
             change = float("inf") if previous is None else max(float((means - previous[0]).abs().max()), float((covs - previous[1]).abs().max()))
-            history.append({"change": change, "skipped": skipped})
+            history.append(EPIteration(change, skipped))
             if sweep == 0:
                 first_sweep = GaussianSmootherResult(means, covs)
             previous = (means, covs)
             if change < self.tol:
                 converged = True
                 break
-        return GaussianSmootherResult(means, covs, first_sweep=first_sweep, history=history, converged=converged)
+        return GaussianSmootherResult(means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged)

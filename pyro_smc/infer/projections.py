@@ -1,30 +1,42 @@
-r"""Gaussian projections: the moments of ``a = f(x) + noise`` for ``x ~ N(m, P)``.
+r"""Gaussian projections: the moments of ``a = f(x, t) + noise`` for ``x ~ N(m, P)``.
 
 Every Gaussian filter, smoother and EP update in pyro_smc reduces a nonlinear map to three
-numbers, the mean ``mu_a``, covariance ``S_a`` and input-output covariance ``C = Cov[x, a]``
+moments, the mean ``mu_a``, covariance ``S_a`` and input-output covariance ``C = Cov[x, a]``
 of ``a`` under a Gaussian ``x``, and then treats the map as the implicit linear model
 ``a = J x + c + eps`` with ``J = C^T P^{-1}``, ``c = mu_a - J m`` and
-``Cov[eps] = S_a - J P J^T``. The three projections differ only in how they
-get the moments:
+``Cov[eps] = S_a - J P J^T``. A projection is a strategy object, a :class:`Projection`, that
+says how to get the moments:
 
-* ``"linearization"`` (EKF/EKS; GP-EKS for GPs): ``J = df/dx`` at ``m`` by autograd (the GP
+* :class:`Linearization` (EKF/EKS; GP-EKS for GPs): ``J = df/dx`` at ``m`` by autograd (the GP
   posterior-mean Jacobian), ``mu_a = f(m)``, ``S_a = J P J^T (+ GP variance at m)``.
-* ``"unscented"`` (UKF/URTSS): sigma points through ``f``; for a GP the mean predictive
-  variance over the sigma points is added.
-* ``"moment_matching"`` (GP-ADF/GP-RTSS/GPADS): the exact moments of an SE-ARD GP at a
-  Gaussian input. A plain callable has no exact moments; it falls back to ``"unscented"``.
+* :class:`Unscented` (UKF/URTSS): sigma points through ``f``; for a GP the mean predictive
+  variance over the sigma points is added. Settings per factor:
+  ``Unscented(kappa=3.0, observation=dict(kappa=2.0))``.
+* :class:`MomentMatching` (GP-ADF/GP-RTSS/GPADS): the exact moments of an SE-ARD GP at a
+  Gaussian input. A plain callable has no exact moments; it falls back to ``Unscented()`` (or
+  the ``fallback=`` given).
+
+A new projection is a subclass that implements :meth:`Projection.map_moments`; the engines
+(:class:`pyro_smc.EPSmoother`, :func:`pyro_smc.infer.gaussian_filter`, ...) take it through
+``projection=`` unchanged. The names ``"linearization"``, ``"unscented"`` and
+``"moment_matching"`` stay accepted and mean the default objects (:func:`as_projection`).
+
+``fn`` is what a :class:`~pyro_smc.models.protocol.GaussianStateSpaceModel` exposes as
+``transition_fn``/``observation_fn``: a callable ``fn(x, t)`` batched over the leading dims of
+``x``, or a GP posterior (``predict``, ``predict_moments``, ``linearize``).
 
 Example:
     >>> import torch
-    >>> from pyro_smc.infer.projections import project
+    >>> from pyro_smc.infer.projections import Linearization
     >>> m, P = torch.zeros(1, dtype=torch.float64), torch.eye(1, dtype=torch.float64)
-    >>> mu, S, C = project(lambda x: 2 * x, m, P, 0, "linearization", noise_cov=0.5 * P)
+    >>> mu, S, C = Linearization().moments(lambda x, t: 2 * x, m, P, 0, noise_cov=0.5 * P)
     >>> S.item(), C.item()
     (4.5, 2.0)
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -33,26 +45,173 @@ from torch import Tensor
 from pyro_smc.models.nonlinear_gaussian import is_gp
 from pyro_smc.ops.unscented import sigma_points, unscented_moments
 
-__all__ = ["PROJECTIONS", "project", "unscented_settings"]
+__all__ = ["PROJECTIONS", "Linearization", "MomentMatching", "Projection", "Unscented", "as_projection", "project", "unscented_settings"]
 
 PROJECTIONS = ("moment_matching", "linearization", "unscented")
+FACTORS = ("transition", "observation")
+_UT_KEYS = ("alpha", "beta", "kappa")
+
+
+class Projection:
+    """How a Gaussian engine gets the moments of a map at a Gaussian input (the base class).
+
+    Subclasses implement :meth:`map_moments`; :meth:`for_factor` lets a projection use different
+    settings for the transition and the observation (the default: the same object for both).
+    """
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Moments of ``fn(x, t)`` (no noise) for ``x ~ N(mean, cov)``.
+
+        Args:
+            fn: a callable ``fn(x, t)`` batched over the leading dims of ``x``, or a GP posterior.
+            mean: ``(d,)``.
+            cov: ``(d, d)``.
+            t: the time index passed to a callable.
+
+        Returns:
+            ``(mu (e,), S (e, e), C (d, e))``.
+        """
+        raise NotImplementedError
+
+    def moments(self, fn, mean: Tensor, cov: Tensor, t: int, noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Moments of ``fn(x, t) + noise`` with ``noise ~ N(0, noise_cov)`` (``None``: no noise).
+
+        Returns:
+            ``(mu_a (e,), S_a (e, e) symmetrised, C (d, e))``.
+        """
+        mu, S, C = self.map_moments(fn, mean, cov, t)
+        if noise_cov is not None:
+            S = S + noise_cov
+        return mu, (S + S.transpose(-1, -2)) / 2, C
+
+    def for_factor(self, factor: str) -> Projection:
+        """The projection to use for ``factor`` (``"transition"`` or ``"observation"``)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Linearization(Projection):
+    """First-order Taylor expansion at the mean (EKF/EKS; GP-EKF/GP-EKS for a GP)."""
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn):
+            mu, J, var = fn.linearize(mean)
+            S = J @ cov @ J.transpose(-1, -2) + torch.diag_embed(var)
+        else:
+            mu = fn(mean, t)
+            J = torch.autograd.functional.jacobian(lambda x: fn(x, t), mean, create_graph=torch.is_grad_enabled(), vectorize=True)
+            S = J @ cov @ J.transpose(-1, -2)
+        return mu, S, cov @ J.transpose(-1, -2)
+
+
+class Unscented(Projection):
+    """The unscented transform (UKF/URTSS).
+
+    Args:
+        alpha, beta, kappa: sigma-point settings for both factors (``None``: the defaults of
+            :func:`pyro_smc.ops.unscented.sigma_points`, ``1``, ``0`` and ``max(3 - d, 0)``).
+        transition, observation: dicts of ``alpha``/``beta``/``kappa`` that override the shared
+            settings for that factor (Kamthe et al. use ``kappa = 3`` for the dynamics and
+            ``kappa = 2`` for the measurement).
+    """
+
+    def __init__(
+        self, alpha: float | None = None, beta: float | None = None, kappa: float | None = None, *, transition: dict | None = None, observation: dict | None = None
+    ):
+        self.settings = {k: v for k, v in zip(_UT_KEYS, (alpha, beta, kappa)) if v is not None}
+        self.per_factor = {}
+        for name, overrides in (("transition", transition), ("observation", observation)):
+            overrides = dict(overrides or {})
+            unknown = set(overrides) - set(_UT_KEYS)
+            if unknown:
+                raise ValueError(f"Unscented({name}=...): unknown keys {sorted(unknown)}; use alpha, beta, kappa")
+            self.per_factor[name] = overrides
+
+    def for_factor(self, factor: str) -> Unscented:
+        if not self.per_factor.get(factor):
+            return self
+        return Unscented(**{**self.settings, **self.per_factor[factor]})
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        if not is_gp(fn):
+            return unscented_moments(lambda x: fn(x, t), mean, cov, **self.settings)
+        gp_var = []
+
+        def values(points: Tensor) -> Tensor:
+            mu, var = fn.predict(points)
+            gp_var.append(var)
+            return mu
+
+        mu, S, C = unscented_moments(values, mean, cov, **self.settings)
+        _, wm, _ = sigma_points(mean, cov, **self.settings)
+        return mu, S + torch.diag_embed(wm @ gp_var[0]), C
+
+    def __repr__(self) -> str:
+        args = [f"{k}={v!r}" for k, v in self.settings.items()] + [f"{k}={v!r}" for k, v in self.per_factor.items() if v]
+        return f"Unscented({', '.join(args)})"
+
+
+class MomentMatching(Projection):
+    """Exact moments of a GP at a Gaussian input (GP-ADF/GP-RTSS); ``fallback`` (default
+    :class:`Unscented`) for a plain callable, which has no exact moments."""
+
+    def __init__(self, fallback: Projection | None = None):
+        self.fallback = Unscented() if fallback is None else fallback
+
+    def for_factor(self, factor: str) -> MomentMatching:
+        fallback = self.fallback.for_factor(factor)
+        return self if fallback is self.fallback else MomentMatching(fallback)
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn):
+            return fn.predict_moments(mean, cov)
+        return self.fallback.map_moments(fn, mean, cov, t)
+
+    def __repr__(self) -> str:
+        return f"MomentMatching(fallback={self.fallback!r})"
 
 
 def unscented_settings(unscented: dict | None, factor: str) -> dict | None:
-    """Sigma-point settings for ``factor`` (``"transition"`` or ``"observation"``).
+    """Sigma-point settings for ``factor`` from the old ``unscented=`` dict (see :func:`as_projection`).
 
     ``unscented`` is either one dict of ``alpha``, ``beta``, ``kappa`` for every factor, or a dict
-    with ``"transition"`` and/or ``"observation"`` keys holding such dicts (Kamthe et al. use
-    ``kappa = 3`` for the dynamics and ``kappa = 2`` for the measurement).
+    with ``"transition"`` and/or ``"observation"`` keys holding such dicts.
     """
     if not unscented:
         return None
-    if set(unscented) <= {"transition", "observation"}:
+    if set(unscented) <= set(FACTORS):
         return unscented.get(factor)
-    unknown = set(unscented) - {"alpha", "beta", "kappa"}
+    unknown = set(unscented) - set(_UT_KEYS)
     if unknown:
         raise ValueError(f"unscented: unknown keys {sorted(unknown)}; use alpha, beta, kappa or transition/observation dicts")
     return unscented
+
+
+def as_projection(projection: Projection | str, unscented: dict | None = None) -> Projection:
+    """The :class:`Projection` for ``projection``, an object or one of :data:`PROJECTIONS`.
+
+    ``unscented`` is the deprecated dict of sigma-point settings (one dict, or
+    ``{"transition": {...}, "observation": {...}}``); it emits a ``FutureWarning`` and becomes an
+    :class:`Unscented` (the fallback of ``"moment_matching"``; ignored by ``"linearization"``).
+    """
+    if isinstance(projection, Projection):
+        if unscented:
+            raise ValueError("unscented= cannot be combined with a Projection object; give the settings to Unscented(...)")
+        return projection
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be a Projection or one of {PROJECTIONS}, got {projection!r}")
+    ut = Unscented()
+    if unscented:
+        warnings.warn("unscented= is deprecated; pass projection=Unscented(alpha=..., beta=..., kappa=..., transition=..., observation=...)", FutureWarning, stacklevel=3)
+        if set(unscented) <= set(FACTORS):
+            for factor in FACTORS:
+                unscented_settings(unscented.get(factor), factor)  # validates the keys
+            ut = Unscented(transition=unscented.get("transition"), observation=unscented.get("observation"))
+        else:
+            ut = Unscented(**unscented_settings(unscented, "transition"))
+    return {"linearization": Linearization(), "unscented": ut, "moment_matching": MomentMatching(ut)}[projection]
 
 
 def project(
@@ -60,60 +219,34 @@ def project(
     mean: Tensor,
     cov: Tensor,
     t: int,
-    kind: str,
+    kind: Projection | str,
     noise_cov: Tensor | None = None,
     takes_time: bool = False,
     unscented: dict | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Moments of ``fn(x) + noise`` for ``x ~ N(mean, cov)``.
+    """Moments of ``fn(x) + noise`` for ``x ~ N(mean, cov)``: the functional form of
+    :meth:`Projection.moments`, kept for existing callers.
 
     Args:
-        fn: a callable ``f(x)`` / ``f(x, t)`` batched over leading dims, or a ``MultiOutputGP``.
+        fn: a callable ``f(x)`` (``f(x, t)`` when ``takes_time``) or a ``MultiOutputGP``.
         mean: ``(d,)``.
         cov: ``(d, d)``.
         t: time index passed to ``fn`` when ``takes_time``.
-        kind: one of :data:`PROJECTIONS`.
+        kind: a :class:`Projection` or one of :data:`PROJECTIONS`.
         noise_cov: additive noise covariance ``(e, e)`` (or ``None``).
         takes_time: whether a callable ``fn`` takes ``t`` as its second argument.
-        unscented: keyword arguments ``alpha``, ``beta``, ``kappa`` of the unscented transform.
+        unscented: ``alpha``, ``beta``, ``kappa`` of the unscented transform.
 
     Returns:
         ``(mu_a (e,), S_a (e, e), C (d, e))``.
     """
-    gp = is_gp(fn)
-    if kind == "moment_matching" and not gp:
-        kind = "unscented"
-    if kind == "moment_matching":
-        mu, S, C = fn.predict_moments(mean, cov)
-    elif kind == "linearization":
-        if gp:
-            mu, J, var = fn.linearize(mean)
-            S = J @ cov @ J.transpose(-1, -2) + torch.diag_embed(var)
-        else:
-
-            def f(x: Tensor) -> Tensor:
-                return fn(x, t) if takes_time else fn(x)
-
-            mu = f(mean)
-            J = torch.autograd.functional.jacobian(f, mean, create_graph=torch.is_grad_enabled(), vectorize=True)
-            S = J @ cov @ J.transpose(-1, -2)
-        C = cov @ J.transpose(-1, -2)
-    elif kind == "unscented":
-        gp_var = []
-
-        def values(points: Tensor) -> Tensor:
-            if gp:
-                mu, var = fn.predict(points)
-                gp_var.append(var)
-                return mu
-            return fn(points, t) if takes_time else fn(points)
-
-        mu, S, C = unscented_moments(values, mean, cov, **(unscented or {}))
-        if gp:
-            _, wm, _ = sigma_points(mean, cov, **(unscented or {}))
-            S = S + torch.diag_embed(wm @ gp_var[0])
+    if isinstance(kind, Projection):
+        strategy = kind
+    elif kind in PROJECTIONS:
+        ut = Unscented(**(unscented or {}))
+        strategy = {"linearization": Linearization(), "unscented": ut, "moment_matching": MomentMatching(ut)}[kind]
     else:
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
-    if noise_cov is not None:
-        S = S + noise_cov
-    return mu, (S + S.transpose(-1, -2)) / 2, C
+    if not is_gp(fn) and not takes_time:
+        fn = (lambda f: lambda x, t: f(x))(fn)
+    return strategy.moments(fn, mean, cov, t, noise_cov)

@@ -1,7 +1,10 @@
-"""Ready-made state-space models in the ``init``/``step`` protocol of :class:`pyro_smc.SMC`."""
+"""Ready-made state-space models and the protocols they satisfy (:class:`StateSpaceModel`, the
+``init``/``step`` protocol of :class:`pyro_smc.SMC`; :class:`GaussianStateSpaceModel`, what the
+Gaussian engines read)."""
 
 from pyro_smc.models.chaotic_rnn import ChaoticRNN
 from pyro_smc.models.linear_gaussian import DiagonalLinearGaussianSSM, LinearGaussianSSM
 from pyro_smc.models.nonlinear_gaussian import NonlinearGaussianSSM
+from pyro_smc.models.protocol import GaussianStateSpaceModel, StateSpaceModel
 
-__all__ = ["ChaoticRNN", "DiagonalLinearGaussianSSM", "LinearGaussianSSM", "NonlinearGaussianSSM"]
+__all__ = ["ChaoticRNN", "DiagonalLinearGaussianSSM", "GaussianStateSpaceModel", "LinearGaussianSSM", "NonlinearGaussianSSM", "StateSpaceModel"]

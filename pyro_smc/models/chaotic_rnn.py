@@ -6,7 +6,8 @@
 a discretised continuous-time RNN in its chaotic regime (``gamma = 2.5``), ``W_ij ~ N(0, 1/d)``;
 the paper's setting is ``d = 5``, ``Delta = 0.001``, ``tau = 0.025``, ``q = 0.1``, ``r = 0.1``,
 ``df = 2`` (the authors' configuration), ``x_1 ~ N(0, I)``. ``step`` follows the ``init``/``step``
-protocol of :class:`~pyro_smc.SMC` and :class:`~pyro_smc.OnlineVariationalFilter`;
+protocol of :class:`~pyro_smc.SMC` and :class:`~pyro_smc.OnlineVariationalFilter` (the model is a
+:class:`~pyro_smc.models.protocol.StateSpaceModel`, not a Gaussian one);
 :meth:`ChaoticRNN.as_nonlinear_gaussian` gives the same dynamics with a Gaussian observation
 surrogate for the EKF/UKF/EP baselines (a ``df = 2`` Student-t has no variance).
 
@@ -22,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -51,7 +53,7 @@ class ChaoticRNN(PyroModule):
     """Chaotic RNN state-space model with Student-t observation noise.
 
     Args:
-        dim: state dimension ``d``.
+        state_dim: state (and observation) dimension ``d``; ``dim=`` is its deprecated name.
         delta: time step ``Delta``.
         tau: time constant ``tau``.
         gamma: gain ``gamma`` (chaotic above 1).
@@ -64,7 +66,7 @@ class ChaoticRNN(PyroModule):
 
     def __init__(
         self,
-        dim: int = 5,
+        state_dim: int = 5,
         delta: float = 0.001,
         tau: float = 0.025,
         gamma: float = 2.5,
@@ -73,10 +75,16 @@ class ChaoticRNN(PyroModule):
         observation_df: float = 2.0,
         weight: Tensor | None = None,
         generator: torch.Generator | None = None,
+        *,
+        dim: int | None = None,
     ):
         super().__init__()
-        if not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if dim is not None:
+            warnings.warn("ChaoticRNN(dim=...) is deprecated; use state_dim=", FutureWarning, stacklevel=2)
+            state_dim = dim
+        if not isinstance(state_dim, int) or state_dim < 1:
+            raise ValueError(f"state_dim must be a positive int, got {state_dim!r}")
+        dim = state_dim
         for name, value in (("delta", delta), ("tau", tau), ("transition_scale", transition_scale), ("observation_scale", observation_scale), ("observation_df", observation_df)):
             if not float(value) > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -85,9 +93,19 @@ class ChaoticRNN(PyroModule):
         if tuple(weight.shape) != (dim, dim):
             raise ValueError(f"weight must have shape ({dim}, {dim}), got {tuple(weight.shape)}")
         self.register_buffer("weight", weight)
-        self.dim, self.delta, self.tau, self.gamma = dim, float(delta), float(tau), float(gamma)
+        self.state_dim, self.delta, self.tau, self.gamma = dim, float(delta), float(tau), float(gamma)
         self.transition_scale, self.observation_scale, self.observation_df = float(transition_scale), float(observation_scale), float(observation_df)
         self._t = 0
+
+    @property
+    def obs_dim(self) -> int:
+        return self.state_dim
+
+    @property
+    def dim(self) -> int:
+        """Deprecated name of :attr:`state_dim`."""
+        warnings.warn("ChaoticRNN.dim is deprecated; use ChaoticRNN.state_dim", FutureWarning, stacklevel=2)
+        return self.state_dim
 
     def transition_mean(self, x: Tensor) -> Tensor:
         """``x + (Delta / tau)(-x + gamma W tanh(x))`` for ``x`` of shape ``(..., d)``."""
@@ -99,7 +117,7 @@ class ChaoticRNN(PyroModule):
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:
         """Samples ``x_t`` (from ``N(0, I)`` at ``t = 0``) and observes ``y_t`` with Student-t noise."""
         t = self._t
-        zero = torch.zeros(self.dim, dtype=self.weight.dtype, device=self.weight.device)
+        zero = torch.zeros(self.state_dim, dtype=self.weight.dtype, device=self.weight.device)
         if "x" in state:
             prior = dist.Normal(self.transition_mean(state["x"]), self.transition_scale).to_event(1)
         else:
@@ -114,14 +132,14 @@ class ChaoticRNN(PyroModule):
         """Draws ``(xs, ys)`` of shapes ``(T, d)``."""
         w = self.weight
         xs, ys = [], []
-        x = torch.randn(self.dim, generator=generator, dtype=w.dtype, device=w.device)
+        x = torch.randn(self.state_dim, generator=generator, dtype=w.dtype, device=w.device)
         for t in range(num_steps):
             if t > 0:
-                x = self.transition_mean(x) + self.transition_scale * torch.randn(self.dim, generator=generator, dtype=w.dtype, device=w.device)
+                x = self.transition_mean(x) + self.transition_scale * torch.randn(self.state_dim, generator=generator, dtype=w.dtype, device=w.device)
             xs.append(x)
             # Student-t as a Gaussian scale mixture, so the generator controls every draw.
-            g = torch._standard_gamma(torch.full((self.dim,), self.observation_df / 2, dtype=w.dtype, device=w.device), generator=generator)
-            noise = torch.randn(self.dim, generator=generator, dtype=w.dtype, device=w.device) * torch.sqrt(self.observation_df / (2 * g))
+            g = torch._standard_gamma(torch.full((self.state_dim,), self.observation_df / 2, dtype=w.dtype, device=w.device), generator=generator)
+            noise = torch.randn(self.state_dim, generator=generator, dtype=w.dtype, device=w.device) * torch.sqrt(self.observation_df / (2 * g))
             ys.append(x + self.observation_scale * noise)
         return torch.stack(xs), torch.stack(ys)
 
@@ -134,7 +152,7 @@ class ChaoticRNN(PyroModule):
         if observation_sd is None:
             observation_sd = self.observation_scale * _t_upper_quartile(self.observation_df) / 0.6744897501960817
         w = self.weight
-        eye = torch.eye(self.dim, dtype=w.dtype, device=w.device)
+        eye = torch.eye(self.state_dim, dtype=w.dtype, device=w.device)
         return NonlinearGaussianSSM(
-            self.transition_mean, self.transition_scale**2 * eye, lambda x: x, observation_sd**2 * eye, torch.zeros(self.dim, dtype=w.dtype, device=w.device), eye
+            self.transition_mean, self.transition_scale**2 * eye, lambda x: x, observation_sd**2 * eye, torch.zeros(self.state_dim, dtype=w.dtype, device=w.device), eye
         )

@@ -4,7 +4,9 @@
 The model follows the ``init``/``step`` protocol of :class:`pyro_smc.SMC` (and of
 ``pyro.infer.SMCFilter``): ``step(state, y)`` samples the latent site ``f"x_{t}"`` and observes
 ``f"y_{t}"``, with ``t`` the 0-based time index. :meth:`kalman_filter`, :meth:`rts_smoother` and
-:meth:`log_evidence` give the exact answers that every test compares against.
+:meth:`log_evidence` give the exact answers that every test compares against. Both models satisfy
+:class:`~pyro_smc.models.protocol.GaussianStateSpaceModel`, so :class:`pyro_smc.EPSmoother` and the
+Gaussian filters and smoothers take them as they are (and reproduce the Kalman answers).
 
 Example:
     >>> import torch
@@ -85,6 +87,29 @@ class LinearGaussianSSM(PyroModule):
     def obs_dim(self) -> int:
         return self.C.shape[0]
 
+    # --- the Gaussian-engine protocol -------------------------------------------------------
+    @property
+    def transition_cov(self) -> Tensor:
+        return self.Q
+
+    @property
+    def observation_cov(self) -> Tensor:
+        return self.R
+
+    def transition_fn(self, x: Tensor, t: int) -> Tensor:
+        """``A x`` for ``x`` of shape ``(..., d)``."""
+        return x @ self.A.transpose(-1, -2)
+
+    def observation_fn(self, x: Tensor, t: int) -> Tensor:
+        """``C x`` for ``x`` of shape ``(..., d)``."""
+        return x @ self.C.transpose(-1, -2)
+
+    def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        return self.transition_fn(x, t), None
+
+    def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        return self.observation_fn(x, t), None
+
     # --- the SMC protocol -------------------------------------------------------------------
     def init(self, state: dict) -> None:
         """Starts a new sequence; the first :meth:`step` samples ``x_0`` from the prior."""
@@ -117,7 +142,7 @@ class LinearGaussianSSM(PyroModule):
 
     def log_evidence(self, ys: Tensor) -> Tensor:
         """Exact ``log p(y_{1:T})``."""
-        return self.kalman_filter(ys).log_likelihoods.sum()
+        return self.kalman_filter(ys).log_evidence
 
     @torch.no_grad()
     def simulate(self, num_steps: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
@@ -142,6 +167,7 @@ class DiagonalLinearGaussianSSM(PyroModule):
     N(0, r^2 I)``: the parameter-learning setting of Campbell et al. (2021, Figure 1b), ``2d``
     parameters ``a`` (``transition_diag``) and ``c`` (``emission_diag``). :meth:`as_linear_gaussian`
     freezes the current values into a :class:`LinearGaussianSSM`, whose Kalman filter is the oracle.
+    The Gaussian engines read the live (differentiable) parameters through the same protocol.
 
     Args:
         transition_diag: initial ``a`` ``(d,)``.
@@ -166,6 +192,50 @@ class DiagonalLinearGaussianSSM(PyroModule):
         self.init_scale = float(init_scale)
         self._t = 0
 
+    @property
+    def state_dim(self) -> int:
+        return self.transition_diag.shape[0]
+
+    @property
+    def obs_dim(self) -> int:
+        return self.emission_diag.shape[0]
+
+    # --- the Gaussian-engine protocol -------------------------------------------------------
+    def _scaled_eye(self, scale: float) -> Tensor:
+        a = self.transition_diag
+        return scale**2 * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+
+    @property
+    def init_mean(self) -> Tensor:
+        return torch.zeros_like(self.transition_diag)
+
+    @property
+    def init_cov(self) -> Tensor:
+        return self._scaled_eye(self.init_scale)
+
+    @property
+    def transition_cov(self) -> Tensor:
+        return self._scaled_eye(self.transition_scale)
+
+    @property
+    def observation_cov(self) -> Tensor:
+        return self._scaled_eye(self.observation_scale)
+
+    def transition_fn(self, x: Tensor, t: int) -> Tensor:
+        """``diag(a) x`` for ``x`` of shape ``(..., d)``."""
+        return x * self.transition_diag
+
+    def observation_fn(self, x: Tensor, t: int) -> Tensor:
+        """``diag(c) x`` for ``x`` of shape ``(..., d)``."""
+        return x * self.emission_diag
+
+    def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        return self.transition_fn(x, t), None
+
+    def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        return self.observation_fn(x, t), None
+
+    # --- the SMC protocol -------------------------------------------------------------------
     def init(self, state: dict) -> None:
         self._t = 0
 
@@ -190,3 +260,8 @@ class DiagonalLinearGaussianSSM(PyroModule):
         return LinearGaussianSSM(
             torch.diag(a), self.transition_scale**2 * eye, torch.diag(c), self.observation_scale**2 * eye, torch.zeros_like(a), self.init_scale**2 * eye
         )
+
+    @torch.no_grad()
+    def simulate(self, num_steps: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """Draws ``(xs, ys)`` of shapes ``(T, d)`` from the model at the current parameter values."""
+        return self.as_linear_gaussian().simulate(num_steps, generator=generator)

@@ -9,7 +9,9 @@ posteriors, whose predictive variance is added to the noise covariance.
 
 The same object is a Pyro model in the ``init``/``step`` protocol (so :class:`pyro_smc.SMC` can
 filter it: the cross-check of every Gaussian smoother) and the input of
-:class:`pyro_smc.EPSmoother` and the Gaussian filters and smoothers.
+:class:`pyro_smc.EPSmoother` and the Gaussian filters and smoothers: it satisfies
+:class:`~pyro_smc.models.protocol.GaussianStateSpaceModel`. Whether a callable takes ``t`` is
+decided once, here; ``transition_fn``/``observation_fn`` always take it.
 
 Example:
     >>> import torch
@@ -41,6 +43,10 @@ __all__ = ["NonlinearGaussianSSM"]
 def is_gp(fn: object) -> bool:
     """Whether ``fn`` is a GP posterior with exact moments (duck-typed on ``MultiOutputGP``)."""
     return all(hasattr(fn, name) for name in ("predict", "predict_moments", "linearize"))
+
+
+def _ignore_time(fn: Callable) -> Callable[[Tensor, int], Tensor]:
+    return lambda x, t: fn(x)
 
 
 def _takes_time(fn: Callable) -> bool:
@@ -112,18 +118,29 @@ class NonlinearGaussianSSM(PyroModule):
     def obs_dim(self) -> int:
         return self.observation_cov.shape[0]
 
-    def _evaluate(self, fn, takes_t: bool, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
+    @property
+    def transition_fn(self):
+        """``f(x, t)`` (time always passed) or the transition GP; what the projections take."""
+        return self.transition if is_gp(self.transition) or self.transition_takes_time else _ignore_time(self.transition)
+
+    @property
+    def observation_fn(self):
+        """``g(x, t)`` (time always passed) or the observation GP; what the projections take."""
+        return self.observation if is_gp(self.observation) or self.observation_takes_time else _ignore_time(self.observation)
+
+    @staticmethod
+    def _evaluate(fn, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
         if is_gp(fn):
             return fn.predict(x)
-        return (fn(x, t) if takes_t else fn(x)), None
+        return fn(x, t), None
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
         """Mean of ``x_{t+1}`` given ``x_t = x`` ``(..., d)`` and the GP predictive variance (or ``None``)."""
-        return self._evaluate(self.transition, self.transition_takes_time, x, t)
+        return self._evaluate(self.transition_fn, x, t)
 
     def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
         """Mean of ``y_t`` given ``x_t = x`` ``(..., e)`` and the GP predictive variance (or ``None``)."""
-        return self._evaluate(self.observation, self.observation_takes_time, x, t)
+        return self._evaluate(self.observation_fn, x, t)
 
     # --- the SMC protocol -------------------------------------------------------------------
     def init(self, state: dict) -> None:

@@ -3,7 +3,11 @@
 The model is ``x_1 ~ N(m_1, P_1)``, ``x_t = A x_{t-1} + w_t``, ``w_t ~ N(0, Q)``,
 ``y_t = C x_t + v_t``, ``v_t ~ N(0, R)``. Each step is a pure function; :func:`kalman_filter` and
 :func:`rts_smoother` are drivers. Everything is differentiable, so ``torch.autograd`` on
-:func:`kalman_filter`'s log-likelihoods gives the exact score, the oracle for gradient tests.
+:func:`kalman_filter`'s log-evidence gives the exact score, the oracle for gradient tests.
+
+Missing data: NaN entries of ``y_t`` are not observed. The update conditions on the observed
+entries only (the exact Gaussian marginal of ``C_o x + v_o``); a step with every entry NaN is a
+prediction only and adds 0 to the log-evidence. ``inf`` is an error.
 
 Example:
     >>> import torch
@@ -11,34 +15,21 @@ Example:
     >>> eye = torch.eye(2, dtype=torch.float64)
     >>> ys = torch.zeros(5, 2, dtype=torch.float64)
     >>> out = kalman_filter(ys, 0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2, dtype=torch.float64), eye)
-    >>> out.means.shape, out.log_likelihoods.shape
+    >>> out.means.shape, out.log_evidence_increments.shape
     (torch.Size([5, 2]), torch.Size([5]))
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["FilterResult", "SmootherResult", "predict", "update", "smooth_step", "kalman_filter", "rts_smoother"]
+# The result types live with the other engines' results; re-exported here, where they began.
+from pyro_smc.ops.results import FilterResult, SmootherResult
 
-
-class FilterResult(NamedTuple):
-    """Filtering output; ``T`` time steps, state dimension ``d``."""
-
-    means: Tensor  # (T, d)  E[x_t | y_{1:t}]
-    covariances: Tensor  # (T, d, d)
-    predicted_means: Tensor  # (T, d)  E[x_t | y_{1:t-1}]
-    predicted_covariances: Tensor  # (T, d, d)
-    log_likelihoods: Tensor  # (T,)  log p(y_t | y_{1:t-1})
-
-
-class SmootherResult(NamedTuple):
-    means: Tensor  # (T, d)  E[x_t | y_{1:T}]
-    covariances: Tensor  # (T, d, d)
+__all__ = ["FilterResult", "SmootherResult", "predict", "update", "masked_update", "smooth_step", "kalman_filter", "rts_smoother"]
 
 
 def _mv(matrix: Tensor, vector: Tensor) -> Tensor:
@@ -74,6 +65,37 @@ def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[
     return new_mean, new_cov, log_lik
 
 
+def masked_update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor, observed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`update` on the entries of ``y`` where ``observed`` (bool, shape of ``y``) is true.
+
+    A missing entry ``i`` gets a zero row of ``C``, no noise correlation and unit noise variance at
+    ``y_i = 0``: its innovation is independent of ``x`` and of the observed entries, so it leaves the
+    state alone and adds exactly ``log N(0 | 0, 1)``, which is taken off again. This keeps the shapes
+    (and any batch dims) fixed, so the observed set may differ across batch members.
+    """
+    obs = observed.to(C.dtype)
+    C = C * obs.unsqueeze(-1)
+    both = obs.unsqueeze(-1) * obs.unsqueeze(-2)
+    R = R * both + torch.diag_embed(1 - obs)
+    y = torch.where(observed, y, torch.zeros_like(y))
+    new_mean, new_cov, log_lik = update(mean, cov, y, C, R)
+    log_lik = log_lik + 0.5 * math.log(2 * math.pi) * (1 - obs).sum(-1)
+    # An unobserved step adds exactly 0, not the rounding error of the correction.
+    return new_mean, new_cov, torch.where(observed.any(-1), log_lik, torch.zeros_like(log_lik))
+
+
+def check_ys(ys: Tensor) -> Tensor | None:
+    """``None`` when every entry of ``ys`` is finite, else the bool mask of its observed (non-NaN)
+    entries; raises ``ValueError`` naming the first time step (dim 0) with an ``inf``."""
+    finite = torch.isfinite(ys)
+    if bool(finite.all()):
+        return None
+    inf = torch.isinf(ys).reshape(ys.shape[0], -1).any(-1)
+    if bool(inf.any()):
+        raise ValueError(f"ys contains inf at time step {int(inf.nonzero()[0, 0])} (use NaN for a missing observation)")
+    return finite
+
+
 def smooth_step(
     filt_mean: Tensor, filt_cov: Tensor, pred_mean: Tensor, pred_cov: Tensor, next_mean: Tensor, next_cov: Tensor, A: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -94,8 +116,10 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
     Model matrices may carry leading batch dimensions (e.g. a grid of parameters), which
     broadcast through every output: ``means`` is then ``(T, *batch, d)``.
 
-    ``init_mean, init_cov`` are the prior of ``x_1`` (the state of the first observation).
+    ``init_mean, init_cov`` are the prior of ``x_1`` (the state of the first observation). NaN
+    entries of ``ys`` are missing (see the module docstring); ``inf`` raises ``ValueError``.
     """
+    observed = check_ys(ys)
     means, covs, pmeans, pcovs, lls = [], [], [], [], []
     m, P = init_mean, init_cov
     for t in range(ys.shape[0]):
@@ -103,7 +127,10 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
             m, P = predict(m, P, A, Q)
         pmeans.append(m)
         pcovs.append(P)
-        m, P, ll = update(m, P, ys[t], C, R)
+        if observed is None:
+            m, P, ll = update(m, P, ys[t], C, R)
+        else:
+            m, P, ll = masked_update(m, P, ys[t], C, R, observed[t])
         means.append(m)
         covs.append(P)
         lls.append(ll)
@@ -111,7 +138,7 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
 
 
 def rts_smoother(filtered: FilterResult, A: Tensor) -> SmootherResult:
-    """Rauch-Tung-Striebel smoother over a :class:`FilterResult`."""
+    """Rauch-Tung-Striebel smoother over a :class:`FilterResult`; carries its ``log_evidence``."""
     T = filtered.means.shape[0]
     m, P = filtered.means[-1], filtered.covariances[-1]
     means, covs = [m], [P]
@@ -121,4 +148,4 @@ def rts_smoother(filtered: FilterResult, A: Tensor) -> SmootherResult:
         )
         means.append(m)
         covs.append(P)
-    return SmootherResult(torch.stack(means[::-1]), torch.stack(covs[::-1]))
+    return SmootherResult(torch.stack(means[::-1]), torch.stack(covs[::-1]), filtered.log_evidence)

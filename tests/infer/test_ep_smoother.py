@@ -9,6 +9,7 @@ import torch
 from pyro_smc import SMC, EPSmoother
 from pyro_smc.infer import gaussian_filter, gaussian_smoother
 from pyro_smc.infer.gaussian_smoothers import extended_rts_smoother, unscented_rts_smoother
+from pyro_smc.infer.projections import Unscented
 from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM
 from pyro_smc.ops.gaussian import is_proper
 from tests.tolerances import EXACT_ATOL, MC_SIGMAS
@@ -24,12 +25,11 @@ def _linear_problem(seed, d=3, e=2, T=25):
     m0, P0 = torch.randn(d, generator=g), torch.eye(d)
     lin = LinearGaussianSSM(A, Q, C, R, m0, P0)
     _, ys = lin.simulate(T, generator=g)
-    ssm = NonlinearGaussianSSM(lambda x: x @ A.T, Q, lambda x: x @ C.T, R, m0, P0)
-    return lin, ssm, ys
+    return lin, ys
 
 
 def _dense_posterior(lin, ys):
-    """Exact smoothing marginals from the dense joint Gaussian of (x_{0:T-1}, observed y)."""
+    """Exact smoothing marginals from the dense joint Gaussian of (x_{0:T-1}, the observed entries of y)."""
     A, Q, C, R, m0, P0 = lin.A, lin.Q, lin.C, lin.R, lin.init_mean, lin.init_cov
     T, d = ys.shape[0], A.shape[0]
     P = [P0]
@@ -41,12 +41,14 @@ def _dense_posterior(lin, ys):
             block = torch.linalg.matrix_power(A, t - s) @ P[s] if t >= s else P[t] @ torch.linalg.matrix_power(A, s - t).T
             cov[t * d : (t + 1) * d, s * d : (s + 1) * d] = block
     mean = torch.cat([torch.linalg.matrix_power(A, t) @ m0 for t in range(T)])
-    seen = [t for t in range(T) if not torch.isnan(ys[t]).any()]
-    H = torch.zeros(len(seen) * C.shape[0], T * d)
-    for i, t in enumerate(seen):
-        H[i * C.shape[0] : (i + 1) * C.shape[0], t * d : (t + 1) * d] = C
-    gain = cov @ H.T @ torch.linalg.inv(H @ cov @ H.T + torch.block_diag(*[R] * len(seen)))
-    post_mean = mean + gain @ (torch.cat([ys[t] for t in seen]) - H @ mean)
+    e = C.shape[0]
+    H = torch.zeros(T * e, T * d)
+    for t in range(T):
+        H[t * e : (t + 1) * e, t * d : (t + 1) * d] = C
+    seen = ~torch.isnan(ys.reshape(-1))
+    H, noise = H[seen], torch.block_diag(*[R] * T)[seen][:, seen]
+    gain = cov @ H.T @ torch.linalg.inv(H @ cov @ H.T + noise)
+    post_mean = mean + gain @ (ys.reshape(-1)[seen] - H @ mean)
     post_cov = cov - gain @ H @ cov
     return post_mean.reshape(T, d), torch.stack([post_cov[t * d : (t + 1) * d, t * d : (t + 1) * d] for t in range(T)])
 
@@ -54,21 +56,21 @@ def _dense_posterior(lin, ys):
 @pytest.mark.parametrize("projection", PROJECTIONS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_linear_gaussian_ep_is_exact_after_one_sweep(projection, seed):
-    lin, ssm, ys = _linear_problem(seed)
-    out = EPSmoother(ssm, projection=projection, max_iter=5).smooth(ys)
+    lin, ys = _linear_problem(seed)
+    out = EPSmoother(lin, projection=projection, max_iter=5).smooth(ys)
     kalman = lin.rts_smoother(ys)
     assert torch.allclose(out.means, kalman.means, atol=1e-8)
     assert torch.allclose(out.covariances, kalman.covariances, atol=1e-8)
-    assert out.converged and len(out.history) == 2 and out.history[1]["change"] < 1e-10
+    assert out.converged and len(out.history) == 2 and out.history[1].change < 1e-10
     assert torch.allclose(out.first_sweep.means, kalman.means, atol=1e-8)
 
 
 def test_missing_measurements_against_the_dense_joint_gaussian():
-    lin, ssm, ys = _linear_problem(3)
-    ys[5] = float("nan")
-    ys[6, 0] = float("nan")  # any NaN entry: the whole measurement at that step is missing
+    lin, ys = _linear_problem(3)
+    ys[5] = float("nan")  # all NaN: no measurement at that step
+    ys[6, 0] = float("nan")  # partly NaN: the observed entry still counts
     mean, cov = _dense_posterior(lin, ys)
-    for result in (EPSmoother(ssm, projection="unscented").smooth(ys), gaussian_smoother(ssm, ys, "linearization")):
+    for result in (EPSmoother(lin, projection="unscented").smooth(ys), gaussian_smoother(lin, ys, "linearization")):
         assert torch.allclose(result.means, mean, atol=1e-8)
         assert torch.allclose(result.covariances, cov, atol=1e-8)
 
@@ -113,7 +115,7 @@ def test_ep_stays_finite_and_proper(model, seed):
     out = EPSmoother(ssm, projection="unscented", max_iter=15, power=0.9, damping=0.9).smooth(ys)
     assert torch.isfinite(out.means).all() and torch.isfinite(out.covariances).all()
     assert bool(is_proper(out.covariances).all())
-    assert len(out.history) <= 15 and all(h["skipped"] >= 0 for h in out.history)
+    assert len(out.history) <= 15 and all(h.skipped >= 0 for h in out.history)
 
 
 def test_ep_iterations_improve_on_one_sweep_for_the_growth_model():
@@ -133,13 +135,15 @@ def test_filter_is_the_forward_half():
     ssm = _pendulum()
     _, ys = ssm.simulate(30, generator=torch.Generator().manual_seed(4))
     filt, smooth = gaussian_filter(ssm, ys, "unscented"), gaussian_smoother(ssm, ys, "unscented")
-    assert torch.allclose(filt.means[-1], smooth.means[-1]) and torch.allclose(filt.log_likelihood, smooth.log_likelihood)
+    assert torch.allclose(filt.means[-1], smooth.means[-1]) and torch.allclose(filt.log_evidence, smooth.log_evidence)
 
 
 def test_bootstrap_smc_filters_the_same_model():
     # The model is also an SMC model: on a linear model written as NonlinearGaussianSSM, SMC's
     # filtering means agree with the exact filter within Monte Carlo error.
-    lin, ssm, ys = _linear_problem(5, d=2, e=1, T=15)
+    lin, ys = _linear_problem(5, d=2, e=1, T=15)
+    A, C = lin.A, lin.C
+    ssm = NonlinearGaussianSSM(lambda x: x @ A.T, lin.Q, lambda x: x @ C.T, lin.R, lin.init_mean, lin.init_cov)
     exact = gaussian_filter(ssm, ys, "linearization").means
     assert torch.allclose(exact, lin.kalman_filter(ys).means, atol=1e-10)
     pyro.set_rng_seed(0)
@@ -231,10 +235,28 @@ def test_unscented_settings_per_factor():
     ssm = _growth_model()
     _, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(0))
     ut = {"alpha": 1.0, "beta": 2.0, "kappa": 3.0}
-    same = EPSmoother(ssm, projection="unscented", max_iter=2, unscented=ut).smooth(ys)
-    split = EPSmoother(ssm, projection="unscented", max_iter=2, unscented={"transition": ut, "observation": ut}).smooth(ys)
+    same = EPSmoother(ssm, projection=Unscented(**ut), max_iter=2).smooth(ys)
+    split = EPSmoother(ssm, projection=Unscented(transition=ut, observation=ut), max_iter=2).smooth(ys)
     assert torch.equal(same.means, split.means)
-    other = EPSmoother(ssm, projection="unscented", max_iter=2, unscented={"transition": ut, "observation": {**ut, "kappa": 2.0}}).smooth(ys)
+    other = EPSmoother(ssm, projection=Unscented(**ut, observation={"kappa": 2.0}), max_iter=2).smooth(ys)
     assert not torch.allclose(other.means, same.means)
     with pytest.raises(ValueError, match="unknown keys"):
+        Unscented(observation={"lambda": 1.0})
+
+
+def test_deprecated_unscented_dicts_still_work():
+    ssm = _growth_model()
+    _, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(0))
+    ut = {"alpha": 1.0, "beta": 2.0, "kappa": 3.0}
+    new = EPSmoother(ssm, projection=Unscented(**ut, observation={"kappa": 2.0}), max_iter=2).smooth(ys)
+    with pytest.warns(FutureWarning, match="Unscented"):
+        old = EPSmoother(ssm, projection="unscented", max_iter=2, unscented={"transition": ut, "observation": {**ut, "kappa": 2.0}}).smooth(ys)
+    assert torch.equal(old.means, new.means)
+    with pytest.warns(FutureWarning, match="Unscented"):
+        same = EPSmoother(ssm, projection="unscented", max_iter=2, unscented=ut).smooth(ys)
+    assert torch.equal(same.means, EPSmoother(ssm, projection=Unscented(**ut), max_iter=2).smooth(ys).means)
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="unknown keys"):
         EPSmoother(ssm, unscented={"lambda": 1.0})
+    with pytest.warns(FutureWarning, match="Unscented"):
+        kw = unscented_rts_smoother(ssm, ys, kappa=2.0)
+    assert torch.equal(kw.means, unscented_rts_smoother(ssm, ys, Unscented(kappa=2.0)).means)

@@ -2,7 +2,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_smc.ops.kalman import kalman_filter, rts_smoother
+from pyro_smc.ops.kalman import kalman_filter, predict, rts_smoother, update
 
 
 def _random_model(d, dy, seed):
@@ -41,7 +41,7 @@ def test_filter_and_smoother_match_dense_gaussian(seed):
     out = kalman_filter(ys, A, Q, C, R, m0, P0)
     # Exact log evidence.
     exact = dist.MultivariateNormal(my, Sy).log_prob(ys.reshape(-1))
-    assert torch.allclose(out.log_likelihoods.sum(), exact, rtol=1e-10)
+    assert torch.allclose(out.log_evidence, exact, rtol=1e-10)
     # Smoother = conditional of x on all y.
     K = torch.linalg.solve(Sy, Syx).T
     post_mean = mx + K @ (ys.reshape(-1) - my)
@@ -70,5 +70,76 @@ def test_log_evidence_matches_pyro_gaussian_hmm():
     hmm = dist.GaussianHMM(
         dist.MultivariateNormal(mu, S), A.T, dist.MultivariateNormal(torch.zeros(d), Q), C.T, dist.MultivariateNormal(torch.zeros(dy), R)
     )
-    ours = kalman_filter(ys, A, Q, C, R, m0, P0).log_likelihoods.sum()
+    ours = kalman_filter(ys, A, Q, C, R, m0, P0).log_evidence
     assert torch.allclose(ours, hmm.log_prob(ys), rtol=1e-10)
+
+
+def _by_hand(ys, A, Q, C, R, m0, P0):
+    """The Kalman filter written out on the observed rows of C and the observed block of R."""
+    m, P, means, covs, lls = m0, P0, [], [], []
+    for t in range(ys.shape[0]):
+        if t > 0:
+            m, P = predict(m, P, A, Q)
+        seen = ~torch.isnan(ys[t])
+        ll = torch.zeros(())
+        if seen.any():
+            m, P, ll = update(m, P, ys[t][seen], C[seen], R[seen][:, seen])
+        means.append(m)
+        covs.append(P)
+        lls.append(ll)
+    return torch.stack(means), torch.stack(covs), torch.stack(lls)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nan_entries_condition_on_the_observed_components(seed):
+    d, dy, T = 3, 3, 8
+    A, Q, C, R, m0, P0, g = _random_model(d, dy, seed)
+    ys = torch.randn(T, dy, generator=g)
+    ys[2] = float("nan")  # predict only
+    ys[4, 1] = float("nan")
+    ys[5, [0, 2]] = float("nan")
+    out = kalman_filter(ys, A, Q, C, R, m0, P0)
+    means, covs, lls = _by_hand(ys, A, Q, C, R, m0, P0)
+    torch.testing.assert_close(out.means, means, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out.covariances, covs, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out.log_evidence_increments, lls, rtol=0, atol=1e-10)
+    assert out.log_evidence_increments[2] == 0
+    torch.testing.assert_close(out.means[2], out.predicted_means[2], rtol=0, atol=0)
+    # And the smoother on top of it is the dense conditional on the observed entries.
+    mx, Sx, my, Sy, Syx = _dense_joint(A, Q, C, R, m0, P0, T)
+    seen = ~torch.isnan(ys.reshape(-1))
+    K = torch.linalg.solve(Sy[seen][:, seen], Syx[seen]).T
+    post_mean = mx + K @ (ys.reshape(-1)[seen] - my[seen])
+    torch.testing.assert_close(rts_smoother(out, A).means.reshape(-1), post_mean, rtol=0, atol=1e-9)
+    exact = dist.MultivariateNormal(my[seen], Sy[seen][:, seen]).log_prob(ys.reshape(-1)[seen])
+    torch.testing.assert_close(out.log_evidence, exact, rtol=1e-10, atol=0)
+
+
+def test_nan_entries_with_a_batch_of_models():
+    d, dy, T = 2, 2, 5
+    A, Q, C, R, m0, P0, g = _random_model(d, dy, 3)
+    ys = torch.randn(T, dy, generator=g)
+    ys[1, 0] = float("nan")
+    batch = torch.stack([A, 0.5 * A])  # (2, d, d): the results gain a batch dim after T
+    out = kalman_filter(ys, batch, Q, C, R, m0.expand(2, d), P0.expand(2, d, d))
+    for k in range(2):
+        one = kalman_filter(ys, batch[k], Q, C, R, m0, P0)
+        torch.testing.assert_close(out.means[:, k], one.means, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out.log_evidence[k], one.log_evidence, rtol=0, atol=1e-12)
+
+
+def test_inf_is_an_error_naming_the_step():
+    A, Q, C, R, m0, P0, _ = _random_model(2, 2, 0)
+    ys = torch.zeros(4, 2)
+    ys[3, 1] = float("inf")
+    with pytest.raises(ValueError, match="time step 3"):
+        kalman_filter(ys, A, Q, C, R, m0, P0)
+
+
+def test_old_result_names_warn():
+    A, Q, C, R, m0, P0, _ = _random_model(2, 2, 0)
+    out = kalman_filter(torch.zeros(3, 2), A, Q, C, R, m0, P0)
+    with pytest.warns(FutureWarning, match="log_evidence_increments"):
+        old = out.log_likelihoods
+    assert torch.equal(old, out.log_evidence_increments)
+    assert torch.equal(rts_smoother(out, A).log_evidence, out.log_evidence)

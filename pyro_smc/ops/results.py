@@ -1,0 +1,135 @@
+r"""The typed results of pyro_smc's engines: plain containers of tensors.
+
+Conventions every result type here keeps:
+
+* ``T`` time steps, state dimension ``d``; marginals are ``means (T, d)`` and
+  ``covariances (T, d, d)``, on the device and dtype of the model.
+* ``log_evidence`` is the one name for the (estimated) total ``log p(y_{1:T})``: a tensor, or
+  ``None`` where the engine does not compute it. What it means depends on the engine:
+
+  - Kalman filter (:class:`FilterResult`): exact.
+  - Gaussian filters and smoothers (EKF/EKS, UKF/URTSS, GP-ADF/GP-RTSS,
+    :class:`GaussianSmootherResult`): the Gaussian approximation given by the prediction-error
+    decomposition, ``sum_t log N(y_t | mu_t, S_t)`` with the projected predictive moments.
+  - EP: ``None`` (not computed).
+  - SMC: an estimate whose exponential is unbiased for the evidence ``Z``.
+  - The online variational filter: an ELBO, a lower bound.
+
+* ``log_evidence_increments`` ``(T,)`` (batch dims after ``T`` where the model carries them) are the
+  per-step terms ``log p(y_t | y_{1:t-1})`` whose sum is ``log_evidence``, where they exist; a step
+  without an observation contributes 0.
+* Old names stay as properties that emit a ``FutureWarning`` naming the new one.
+
+The SMC and online-filter results belong in this module too; the ones above are the Gaussian side.
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.ops.results import FilterResult
+    >>> z = torch.zeros(3, 1, dtype=torch.float64)
+    >>> out = FilterResult(z, z[..., None], z, z[..., None], torch.full((3,), -1.0, dtype=torch.float64))
+    >>> out.log_evidence.item()
+    -3.0
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch import Tensor
+
+__all__ = ["EPIteration", "FilterResult", "GaussianSmootherResult", "SmootherResult"]
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated; use {new}", FutureWarning, stacklevel=3)
+
+
+class FilterResult(NamedTuple):
+    """Kalman filtering output.
+
+    Attributes:
+        means: ``(T, d)`` ``E[x_t | y_{1:t}]``.
+        covariances: ``(T, d, d)``.
+        predicted_means: ``(T, d)`` ``E[x_t | y_{1:t-1}]`` (the prior at ``t = 0``).
+        predicted_covariances: ``(T, d, d)``.
+        log_evidence_increments: ``(T,)`` ``log p(y_t | y_{1:t-1})``; 0 at steps without data.
+    """
+
+    means: Tensor
+    covariances: Tensor
+    predicted_means: Tensor
+    predicted_covariances: Tensor
+    log_evidence_increments: Tensor
+
+    @property
+    def log_evidence(self) -> Tensor:
+        """Exact ``log p(y_{1:T})``, the sum of the increments over time."""
+        return self.log_evidence_increments.sum(0)
+
+    @property
+    def log_likelihoods(self) -> Tensor:
+        """Deprecated name of :attr:`log_evidence_increments`."""
+        _renamed("FilterResult.log_likelihoods", "FilterResult.log_evidence_increments")
+        return self.log_evidence_increments
+
+
+class SmootherResult(NamedTuple):
+    """RTS smoothing output: ``means (T, d)`` ``E[x_t | y_{1:T}]``, ``covariances (T, d, d)`` and
+    the filter's exact ``log_evidence`` (``None`` when built without one)."""
+
+    means: Tensor
+    covariances: Tensor
+    log_evidence: Tensor | None = None
+
+
+class EPIteration(NamedTuple):
+    """One EP sweep.
+
+    Attributes:
+        change: max abs change of the marginals' means and covariances (``inf`` on the first sweep).
+        skipped: updates not applied because a cavity or the resulting marginal was not a proper
+            Gaussian.
+    """
+
+    change: float
+    skipped: int
+
+    def __getitem__(self, key):
+        # The history used to be a list of dicts: h["change"] keeps working, with a warning.
+        if isinstance(key, str):
+            _renamed(f'history[k]["{key}"]', f"history[k].{key}")
+            return getattr(self, key)
+        return tuple.__getitem__(self, key)
+
+
+@dataclass
+class GaussianSmootherResult:
+    """Gaussian marginals ``q(x_t)`` of a Gaussian filter, smoother or EP run.
+
+    Attributes:
+        means: ``(T, d)``.
+        covariances: ``(T, d, d)``.
+        first_sweep: for EP, the result of the first forward-backward sweep (the plain Gaussian
+            smoother); ``None`` otherwise.
+        history: for EP, one :class:`EPIteration` per sweep; empty otherwise.
+        converged: whether EP stopped on ``tol`` (always ``True`` for filters and smoothers).
+        log_evidence: the prediction-error decomposition of ``log p(y_{1:T})`` under the filter's
+            Gaussian approximation (filters and smoothers); ``None`` for EP.
+        log_evidence_increments: ``(T,)`` its per-step terms; ``None`` for EP.
+    """
+
+    means: Tensor
+    covariances: Tensor
+    first_sweep: GaussianSmootherResult | None = None
+    history: tuple[EPIteration, ...] = ()
+    converged: bool = True
+    log_evidence: Tensor | None = None
+    log_evidence_increments: Tensor | None = None
+
+    @property
+    def log_likelihood(self) -> Tensor | None:
+        """Deprecated name of :attr:`log_evidence`."""
+        _renamed("GaussianSmootherResult.log_likelihood", "GaussianSmootherResult.log_evidence")
+        return self.log_evidence
