@@ -6,14 +6,16 @@ standard normal entries; row covariance ``U = L_row L_row^T``, column covariance
 
     vec(W) ~ N(vec(M), V kron U)            (NumPyro's convention).
 
-The Kronecker-flow guides write the K-Linear layer as ``W = M + A E B`` with
-``vec(W) ~ N(vec(M), (B^T B) kron (A A^T))``: that is ``L_row = A`` and ``L_col = B^T``.
-The Kronecker algebra lives in :mod:`pyro_smc.ops.kronecker`.
+Huang et al. write the K-Linear layer as ``W = M + A E B'`` with
+``vec(W) ~ N(vec(M), (B'^T B') kron (A A^T))``: that is ``L_row = A`` and ``L_col = B'^T``. The
+Kronecker-flow guides store the lower-triangular ``B = B'^T`` and write ``W = M + A E B^T``, so
+for them ``L_col = B``. The Kronecker algebra lives in :mod:`pyro_smc.ops.kronecker`.
+See ``docs/math/kronecker.md#matrix-normal-distribution``.
 
 Closed-form KL divergences are registered with ``torch.distributions.kl.register_kl`` for
 ``(MatrixNormal, MatrixNormal)`` and ``(MatrixNormal, Independent(Normal))`` (any elementwise
 loc/scale, e.g. the prior ``dist.Normal(0, 1).expand([n, p]).to_event(2)``), so
-``pyro.infer.TraceMeanField_ELBO`` uses them.
+``pyro.infer.TraceMeanField_ELBO`` uses them. See ``docs/math/kronecker.md#kl-divergences``.
 
 Example:
     >>> import torch
@@ -66,8 +68,9 @@ class MatrixNormal(TorchDistribution):
 
     ``W = loc + L_row E L_col^T`` with ``E_ij ~ N(0, 1)`` i.i.d., so ``vec(W) ~ N(vec(loc), V kron U)``
     with ``U = L_row L_row^T`` (``n x n``, covariance between rows) and ``V = L_col L_col^T``
-    (``p x p``, covariance between columns), ``vec`` column-major. In the K-Linear form ``W = M + A E B``,
-    ``L_row = A`` and ``L_col = B^T``.
+    (``p x p``, covariance between columns), ``vec`` column-major. In the guides' K-Linear form
+    ``W = M + A E B^T`` (``A``, ``B`` lower triangular), ``L_row = A`` and ``L_col = B``.
+    See ``docs/math/kronecker.md#matrix-normal-distribution``.
 
     The log-density is computed by triangular solves, never forming the ``np x np`` covariance:
 
@@ -179,7 +182,10 @@ class MatrixNormal(TorchDistribution):
 
 @register_kl(MatrixNormal, MatrixNormal)
 def _kl_matrixnormal_matrixnormal(q: MatrixNormal, p: MatrixNormal) -> Tensor:
-    """``KL(q || p) = 1/2 [tr(S_p^{-1} S_q) + m^T S_p^{-1} m - np + log det S_p - log det S_q]``, ``m = M_p - M_q``."""
+    """``KL(q || p) = 1/2 [tr(S_p^{-1} S_q) + m^T S_p^{-1} m - np + log det S_p - log det S_q]``, ``m = M_p - M_q``.
+
+    See ``docs/math/kronecker.md#kl-divergences``.
+    """
     if q.event_shape != p.event_shape:
         raise ValueError(f"event shapes differ: {tuple(q.event_shape)} vs {tuple(p.event_shape)}")
     n, p_ = q.event_shape
@@ -195,7 +201,7 @@ def _kl_matrixnormal_independent_normal(q: MatrixNormal, p: Independent) -> Tens
 
     ``1/2 sum_ij [(U_ii V_jj + (mu_ij - M_ij)^2) / s_ij^2 - 1 + 2 log s_ij] - log det S_q^{1/2}``.
     Raises ``NotImplementedError`` for any other ``Independent`` (so ``TraceMeanField_ELBO`` falls
-    back to sampling).
+    back to sampling). See ``docs/math/kronecker.md#kl-divergences``.
     """
     base = p.base_dist
     while isinstance(base, Independent):

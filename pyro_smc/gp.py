@@ -13,6 +13,7 @@ use a cached posterior (Cholesky-based ``beta`` and ``(K + sigma^2 I)^{-1}``), r
 hyperparameters or data change, and treat hyperparameters as constants (no gradient flows to
 them; differentiate :meth:`~MultiOutputGP.log_marginal_likelihood` instead). Gradients with
 respect to the inputs ``x``, ``mean`` and ``cov`` do flow.
+See ``docs/math/ep.md#gp-regression-with-se-ard-kernels`` and ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input``.
 
 Example:
     >>> import torch
@@ -242,6 +243,8 @@ class MultiOutputGP(PyroModule):
 
     def predict_moments(self, mean: Tensor, cov: Tensor, noisy: bool = False, chunk_size: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Exact moments of ``f(x)`` (``+ noise`` if ``noisy``) for ``x ~ N(mean, cov)``.
+
+        See ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input``.
 
         Args:
             mean: ``(..., D)``.

@@ -30,6 +30,8 @@ correlations by a fraction instead of swamping a diagonal that has shrunk during
 ``"diag"`` and ``"linear"`` posteriors are :class:`pyro_smc.distributions.MatrixNormal` s, so
 ``TraceMeanField_ELBO`` uses their closed-form KL to ``Normal`` priors.
 
+See ``docs/math/kronecker.md#posterior-families`` and ``docs/math/kronecker.md#factor-parametrisation``.
+
 Example:
     >>> import torch, pyro, pyro.distributions as dist
     >>> from pyro.infer import SVI, Trace_ELBO

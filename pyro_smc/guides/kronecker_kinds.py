@@ -11,6 +11,7 @@ A kind says how the factors of one ``(n, p)`` matrix site are stored and how sta
   applied to every column and every row of ``E`` (:mod:`pyro_smc.guides.matrix_transforms`).
 
 The guide holds one kind and never branches on its name; a new family is a new subclass.
+See ``docs/math/kronecker.md#posterior-families``.
 
 Example:
     >>> import torch
@@ -47,6 +48,8 @@ KINDS = ("diag", "linear", "nonlinear")
 def factor_from_params(params: Tensor, size: int) -> Tensor:
     """The triangular factor ``L = D (I + N)`` of a ``"linear"``/``"nonlinear"`` guide.
 
+    See ``docs/math/kronecker.md#factor-parametrisation``.
+
     Args:
         params: ``(..., size (size + 1) / 2)`` free numbers in ``torch.tril_indices`` order: the
             log of ``D`` on the diagonal, ``N`` (relative to the row's scale) below it.
@@ -72,6 +75,7 @@ class KroneckerAffine(Transform):
     """``X -> M + A X B`` on ``(..., n, p)`` matrices; ``log|det| = p log|det A| + n log|det B|``.
 
     ``A`` lower and ``B`` upper triangular with positive diagonals.
+    See ``docs/math/kronecker.md#matrix-flows-and-their-log-determinants``.
     """
 
     domain = constraints.independent(constraints.real, 2)
@@ -140,7 +144,10 @@ class KroneckerKind:
 
 
 class DiagKind(KroneckerKind):
-    """K-Diag: positive diagonal ``A`` and ``B``, ``n + p`` scale parameters per matrix."""
+    """K-Diag: positive diagonal ``A`` and ``B``, ``n + p`` scale parameters per matrix.
+
+    See ``docs/math/kronecker.md#k-diag``.
+    """
 
     name = "diag"
 
@@ -152,7 +159,10 @@ class DiagKind(KroneckerKind):
 
 
 class LinearKind(KroneckerKind):
-    """K-Linear: lower-triangular ``A``, ``B`` stored as ``L = D (I + N)`` (:func:`factor_from_params`)."""
+    """K-Linear: lower-triangular ``A``, ``B`` stored as ``L = D (I + N)`` (:func:`factor_from_params`).
+
+    See ``docs/math/kronecker.md#k-linear``.
+    """
 
     name = "linear"
 
@@ -167,6 +177,8 @@ class LinearKind(KroneckerKind):
 
 class NonlinearKind(LinearKind):
     """K-Nonlinear: K-Linear factors around a flow ``G`` of every column and row of the noise.
+
+    See ``docs/math/kronecker.md#k-nonlinear``.
 
     Args:
         flow: ``"additive_coupling"`` (volume preserving, NICE; the paper's), ``"affine_coupling"``

@@ -6,6 +6,7 @@ matrix ``E`` through an invertible ``g_A: R^n -> R^n`` applied to every column a
 layer. After a permutation the Jacobian of ``vec G_A`` is block diagonal with one block per
 column, so ``log|det J| = sum_columns log|det J_{g_A}| + sum_rows log|det J_{g_B}|``: ``n + p``
 small determinants instead of one ``np x np`` one, and ``O(n^2 + p^2)`` flow parameters.
+See ``docs/math/kronecker.md#k-nonlinear`` and ``docs/math/kronecker.md#matrix-flows-and-their-log-determinants``.
 
 :class:`ColumnwiseTransform` and :class:`RowwiseTransform` lift any vector transform of Pyro
 (``AffineCoupling``, ``AffineAutoregressive`` (IAF), ...) to matrices; :class:`AdditiveCoupling`
@@ -145,6 +146,8 @@ def _vector_flow(dim: int, flow: str, hidden_dims: tuple[int, ...]) -> T.Transfo
 
 def kronecker_nonlinear(n: int, p: int, flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,)) -> T.ComposeTransformModule:
     """``G(E) = G_B(G_A(E^T)^T)`` for ``(..., n, p)`` noise matrices.
+
+    See ``docs/math/kronecker.md#matrix-flows-and-their-log-determinants``.
 
     Args:
         n, p: matrix shape; a side of length 1 gets no flow (a 1-d map has nothing to couple).

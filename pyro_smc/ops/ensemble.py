@@ -25,6 +25,8 @@ the plan and the projection operation by operation. Two facts make this cheap:
 * with ``K = P / sqrt(a b^T)`` the column sums of ``P * (G x^T)`` needed for the log-weights are
   ``x_j . (K^T G)_j``: one ``N x (D + 1)`` product, no ``N x N`` temporary.
 
+See ``docs/math/smc.md#optimal-transport-resampling`` and ``docs/math/smc.md#gradient-of-the-ensemble-transform``.
+
 Example:
     >>> import torch
     >>> from pyro_smc.ops.ensemble import ensemble_transform
@@ -93,7 +95,10 @@ def _scale_gradient(x: Tensor, grad_scale2: Tensor) -> Tensor:
 
 
 class _FusedEnsembleTransform(torch.autograd.Function):
-    """``x_new`` and the plan; exact gradients via the implicit function theorem."""
+    """``x_new`` and the plan; exact gradients via the implicit function theorem.
+
+    See ``docs/math/smc.md#gradient-of-the-ensemble-transform``.
+    """
 
     @staticmethod
     def forward(ctx, x, log_b, epsilon, scaling, threshold, max_iter):
@@ -171,7 +176,7 @@ def ensemble_transform(
     Solves entropic OT from the uniform measure on the particles to the weighted one with the
     scale-normalised squared-distance cost and moves each particle to its barycentric image
     ``x~_i = sum_j P_ij x_j / sum_j P_ij`` (the row normalisation keeps every new particle a
-    convex combination even before convergence).
+    convex combination even before convergence). See ``docs/math/smc.md#optimal-transport-resampling``.
 
     Args:
         x: particles ``(..., N, D)``.

@@ -4,7 +4,7 @@ A Gaussian ``N(x | m, P)`` has natural parameters ``(eta, Lambda) = (P^{-1} m, P
 form products of densities add and division subtracts, which is how EP combines and removes
 messages. A "message" may be improper (singular ``Lambda``, e.g. a scalar measurement of a
 2-d state) but a posterior or cavity used for a projection must be proper (``Lambda`` positive
-definite), which :func:`is_proper` tests.
+definite), which :func:`is_proper` tests. See ``docs/math/ep.md#gaussian-densities-in-natural-form``.
 
 Example:
     >>> import torch
@@ -80,12 +80,18 @@ def multiply(*factors: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
 
 
 def divide(numerator: tuple[Tensor, Tensor], denominator: tuple[Tensor, Tensor], power: float = 1.0) -> tuple[Tensor, Tensor]:
-    """``q / q_i^power`` in natural form: parameters subtract (the EP cavity)."""
+    """``q / q_i^power`` in natural form: parameters subtract (the EP cavity).
+
+    See ``docs/math/ep.md#cavity-and-tilted-distribution`` and ``docs/math/ep.md#power-ep``.
+    """
     return numerator[0] - power * denominator[0], numerator[1] - power * denominator[1]
 
 
 def damp(old: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor], gamma: float) -> tuple[Tensor, Tensor]:
-    """``(1 - gamma) old + gamma new`` on the natural parameters; ``gamma = 1`` is no damping."""
+    """``(1 - gamma) old + gamma new`` on the natural parameters; ``gamma = 1`` is no damping.
+
+    See ``docs/math/ep.md#damping``.
+    """
     if gamma == 1.0:
         return new
     return (1 - gamma) * old[0] + gamma * new[0], (1 - gamma) * old[1] + gamma * new[1]

@@ -33,6 +33,8 @@ factors are built in batches; memory stays below ``chunk_size`` elements per tem
 ``Q^{ab} / (alpha_a^2 alpha_b^2)`` depends only on ``(l_a, l_b)``, outputs with equal lengthscales are
 grouped: a pair of groups costs one exponential, so a shared lengthscale costs one in all.
 
+See ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input`` and ``docs/math/ep.md#gp-regression-with-se-ard-kernels``.
+
 Example:
     >>> import torch
     >>> from pyro_smc.ops.gp_moments import se_ard_kernel, se_ard_moments, se_ard_predict
@@ -152,6 +154,7 @@ def se_ard_linearize(
     """Posterior mean, its Jacobian and the variance at ``x`` (the GP-EKS linearisation).
 
     ``d m_a / d x = sum_i beta_ai k_a(x_i, x) Lambda_a^{-1} (x_i - x)``.
+    See ``docs/math/ep.md#gp-regression-with-se-ard-kernels``.
 
     Args:
         x: ``(..., D)`` linearisation points; other arguments as :func:`se_ard_predict`.
@@ -281,6 +284,7 @@ def se_ard_moments(
     ``f`` is drawn from the ``E`` GP posteriors, so the covariance includes the expected latent
     variance ``E_x[v_a(x)]`` on its diagonal (and ``noise`` if given). Differentiable by autograd
     (memory is then no longer bounded by ``chunk_size``); ``d M / d mean = C^T cov^{-1}``.
+    See ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input``.
 
     Args:
         mean: ``(..., D)`` input mean.

@@ -2,6 +2,7 @@
 
 The online filter's parameter learning needs ``d delta_i / d theta`` for every Monte Carlo sample
 ``i`` (to regress the score on the state); one backward pass per sample would dominate its cost.
+See ``docs/math/streaming.md#per-sample-scores``.
 """
 
 from __future__ import annotations

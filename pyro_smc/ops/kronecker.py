@@ -14,6 +14,7 @@ A matrix normal ``W = M + A E B`` (``E`` i.i.d. standard normal) has
 in that parametrisation.
 
 All functions broadcast over leading batch dims. Pure torch: no Pyro import.
+See ``docs/math/kronecker.md#vectorisation-convention`` and ``docs/math/kronecker.md#kronecker-identities``.
 
 Example:
     >>> import torch
@@ -180,6 +181,8 @@ def kron_tril_mahalanobis(scale_tril_row: Tensor, scale_tril_col: Tensor, x: Ten
 def kron_tril_trace(scale_tril_row_p: Tensor, scale_tril_col_p: Tensor, scale_tril_row_q: Tensor, scale_tril_col_q: Tensor) -> Tensor:
     """``tr((V_p kron U_p)^{-1} (V_q kron U_q)) = ||L_row_p^{-1} L_row_q||_F^2 ||L_col_p^{-1} L_col_q||_F^2``.
 
+    See ``docs/math/kronecker.md#kronecker-identities`` and ``docs/math/kronecker.md#kl-divergences``.
+
     Args:
         scale_tril_row_p: ``(..., n, n)`` lower triangular (the inverted covariance's row factor).
         scale_tril_col_p: ``(..., p, p)`` lower triangular.
@@ -211,6 +214,8 @@ def kron_tril_variance(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor
 
 def kron_tril_entropy(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
     """Entropy of ``N(M, V kron U)``: ``np/2 (1 + log 2 pi) + p sum log diag L_row + n sum log diag L_col``.
+
+    See ``docs/math/kronecker.md#matrix-normal-distribution``.
 
     Args:
         scale_tril_row: ``(..., n, n)`` lower triangular with positive diagonal.

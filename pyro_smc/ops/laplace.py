@@ -9,6 +9,8 @@ r"""Gaussian approximations for the start of an online filtering step (pure tens
   set of paired samples on another (the backward kernel implied by a joint Gaussian).
 * :func:`jittered`: a symmetrised covariance with a relative jitter of ``1e-6`` on its diagonal.
 
+See ``docs/math/streaming.md#initialising-a-step``.
+
 Example:
     >>> import torch
     >>> m, P = torch.zeros(1, dtype=torch.float64), torch.eye(1, dtype=torch.float64)
@@ -41,6 +43,8 @@ def jittered(cov: Tensor) -> Tensor:
 @torch.enable_grad()
 def laplace_newton(log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor, max_steps: int = 5) -> tuple[Tensor, Tensor]:
     """The Laplace approximation of ``N(x; mean, cov) g(x)`` by clipped Newton steps.
+
+    See ``docs/math/streaming.md#laplace-approximation-by-newton-steps``.
 
     Args:
         log_g: ``x (d,) -> log g(x)`` (a scalar), twice differentiable.
@@ -87,6 +91,8 @@ def laplace_newton(log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor,
 
 def regression_kernel(x: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Least-squares Gaussian regression of ``x_prev`` on ``x`` from paired samples.
+
+    See ``docs/math/streaming.md#initialising-a-step``.
 
     Args:
         x: ``(n, d)`` samples of the regressor.

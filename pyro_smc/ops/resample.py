@@ -3,6 +3,7 @@
 Each scheme maps normalised log-weights ``(..., N)`` to ancestor indices ``(..., N)`` (int64)
 such that ``E[#{i: A^i = j}] = N w_j``. The batch dimensions are independent filters.
 Systematic resampling has the lowest variance of the three and is the default of ``SMC``.
+See ``docs/math/smc.md#index-resampling``.
 
 Example:
     >>> import torch

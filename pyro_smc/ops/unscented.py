@@ -4,7 +4,7 @@ Sigma points ``m`` and ``m +- sqrt(d + lambda) L_i`` (``L`` the Cholesky factor 
 ``lambda = alpha^2 (d + kappa) - d``) with mean weights ``W_0 = lambda / (d + lambda)``,
 ``W_i = 1 / (2 (d + lambda))`` and covariance weight ``W_0^c = W_0 + 1 - alpha^2 + beta``
 (Julier and Uhlmann; Sarkka, *Bayesian Filtering and Smoothing*, section 5.5). The transform is
-exact for linear ``f``.
+exact for linear ``f``. See ``docs/math/ep.md#unscented-transform``.
 
 Example:
     >>> import torch

@@ -2,6 +2,7 @@
 
 Every function works on the last dimension of ``log_weights`` (the particle dimension) and
 broadcasts over any leading batch dimensions (independent filters).
+See ``docs/math/smc.md#one-step-of-the-filter`` and ``docs/math/smc.md#effective-sample-size-and-adaptive-resampling``.
 
 Example:
     >>> import torch
@@ -52,6 +53,8 @@ def normalize(log_weights: Tensor) -> tuple[Tensor, Tensor]:
 
 def ess(log_weights: Tensor) -> Tensor:
     """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights.
+
+    See ``docs/math/smc.md#effective-sample-size-and-adaptive-resampling``.
 
     Args:
         log_weights: normalised log-weights, shape ``(..., N)``.
