@@ -223,7 +223,7 @@ class EPSmoother:
             moments = [to_moment(*marginal(t)) for t in range(T)]
             means = torch.stack([m for m, _ in moments])
             covs = torch.stack([P for _, P in moments])
-            change = float("inf") if previous is None else max(float((means - previous[0]).abs().max()), float((covs - previous[1]).abs().max()))
+            change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
             history.append(EPIteration(change, skipped))
             if sweep == 0:
                 first_sweep = GaussianSmootherResult(means, covs)

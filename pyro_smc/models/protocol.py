@@ -126,8 +126,8 @@ def check_observations(observations: Tensor | Sequence[Tensor | None], obs_dim: 
         observations: ``(T, e)`` (or ``(T,)`` when ``e = 1``) with NaN for missing entries, or a
             sequence of ``T`` tensors ``(e,)`` or ``None``.
         obs_dim: ``e``.
-        like: a tensor whose dtype and device a sequence's missing steps take (default: the first
-            tensor in it).
+        like: for a sequence, the tensor whose dtype and device its missing steps take when it
+            holds no tensor at all (otherwise they take the first tensor's).
 
     Returns:
         ``(observations (T, e), observed (T, e) bool)``.
@@ -138,7 +138,7 @@ def check_observations(observations: Tensor | Sequence[Tensor | None], obs_dim: 
     if not isinstance(observations, Tensor):
         if not isinstance(observations, Sequence):
             raise ValueError(f"observations must be a tensor of shape (T, {obs_dim}) or a sequence of tensors and None, got {type(observations).__name__}")
-        ref = like if like is not None else next((y for y in observations if isinstance(y, Tensor)), None)
+        ref = next((y for y in observations if isinstance(y, Tensor)), like)
         if ref is None:
             raise ValueError("observations: a sequence of only None needs like= for its dtype and device")
         missing = torch.full((obs_dim,), float("nan"), dtype=ref.dtype, device=ref.device)

@@ -1,0 +1,119 @@
+"""Every model satisfies the state-space-model protocol(s) that make sense for it, and every
+Gaussian engine takes every Gaussian model as it is."""
+
+import pytest
+import torch
+
+from pyro_smc import SMC, EPSmoother
+from pyro_smc.infer import gaussian_filter, gaussian_smoother
+from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, GaussianStateSpaceModel, LinearGaussianSSM, NonlinearGaussianSSM, StateSpaceModel
+from pyro_smc.models.protocol import check_observations
+
+PROJECTIONS = ["linearization", "unscented", "moment_matching"]
+
+
+def _linear(seed=0, d=3, e=2):
+    g = torch.Generator().manual_seed(seed)
+    A = 0.3 * torch.randn(d, d, generator=g) + 0.5 * torch.eye(d)
+    return LinearGaussianSSM(A, 0.5 * torch.eye(d), torch.randn(e, d, generator=g), 0.2 * torch.eye(e), torch.randn(d, generator=g), torch.eye(d))
+
+
+def _diagonal():
+    return DiagonalLinearGaussianSSM(torch.tensor([0.9, -0.5]), torch.tensor([1.0, 2.0]), 0.5, 0.3, init_scale=1.5)
+
+
+def _nonlinear():
+    one = torch.ones(1, 1)
+    return NonlinearGaussianSSM(lambda x: torch.sin(x), 0.1 * one, lambda x, t: x**2 / 20 + t, one, torch.zeros(1), one)
+
+
+MODELS = {
+    "linear": _linear,
+    "diagonal": _diagonal,
+    "nonlinear": _nonlinear,
+    "chaotic_rnn": lambda: ChaoticRNN(3, generator=torch.Generator().manual_seed(0)),
+    "chaotic_rnn_surrogate": lambda: ChaoticRNN(3, generator=torch.Generator().manual_seed(0)).as_nonlinear_gaussian(),
+}
+GAUSSIAN = ["linear", "diagonal", "nonlinear", "chaotic_rnn_surrogate"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_is_a_state_space_model(name):
+    model = MODELS[name]()
+    assert isinstance(model, StateSpaceModel)
+    assert isinstance(model, GaussianStateSpaceModel) == (name in GAUSSIAN)
+    xs, ys = model.simulate(7, generator=torch.Generator().manual_seed(1))
+    assert xs.shape == (7, model.state_dim) and ys.shape == (7, model.obs_dim)
+
+
+def test_other_objects_are_not_models():
+    assert not isinstance(object(), StateSpaceModel)
+    assert not isinstance(lambda x: x, GaussianStateSpaceModel)
+
+
+@pytest.mark.parametrize("name", GAUSSIAN)
+def test_gaussian_members_have_the_documented_shapes(name):
+    model = MODELS[name]()
+    d, e = model.state_dim, model.obs_dim
+    assert model.init_mean.shape == (d,) and model.init_cov.shape == (d, d)
+    assert model.transition_cov.shape == (d, d) and model.observation_cov.shape == (e, e)
+    x = torch.randn(4, d)
+    assert model.transition_fn(x, 2).shape == (4, d) and model.observation_fn(x, 2).shape == (4, e)
+    mean, var = model.observation_mean_var(x, 2)
+    torch.testing.assert_close(mean, model.observation_fn(x, 2))
+    assert var is None
+
+
+def test_nonlinear_model_passes_time_explicitly():
+    model = _nonlinear()
+    assert not model.transition_takes_time and model.observation_takes_time
+    x = torch.ones(1)
+    torch.testing.assert_close(model.observation_fn(x, 3), x / 20 + 3)
+    torch.testing.assert_close(model.transition_fn(x, 3), torch.sin(x))
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("name", ["linear", "diagonal"])
+def test_linear_models_go_straight_into_every_gaussian_engine(name, projection):
+    model = MODELS[name]()
+    _, ys = model.simulate(12, generator=torch.Generator().manual_seed(2))
+    lin = model if name == "linear" else model.as_linear_gaussian()
+    kf, rts = lin.kalman_filter(ys), lin.rts_smoother(ys)
+    filt = gaussian_filter(model, ys, projection)
+    torch.testing.assert_close(filt.means, kf.means, rtol=0, atol=1e-8)
+    torch.testing.assert_close(filt.covariances, kf.covariances, rtol=0, atol=1e-8)
+    torch.testing.assert_close(filt.log_evidence, kf.log_evidence, rtol=0, atol=1e-8)
+    torch.testing.assert_close(filt.log_evidence_increments, kf.log_evidence_increments, rtol=0, atol=1e-8)
+    for out in (gaussian_smoother(model, ys, projection), EPSmoother(model, projection=projection, max_iter=3).smooth(ys)):
+        torch.testing.assert_close(out.means, rts.means, rtol=0, atol=1e-8)
+        torch.testing.assert_close(out.covariances, rts.covariances, rtol=0, atol=1e-8)
+
+
+def test_smc_runs_every_model():
+    for name in sorted(MODELS):
+        model = MODELS[name]()
+        _, ys = model.simulate(5, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            smc = SMC(model, num_particles=20).run(ys)
+        assert torch.isfinite(smc.log_evidence).all(), name
+
+
+def test_diagonal_model_keeps_its_gradient_through_the_gaussian_engines():
+    model = _diagonal()
+    _, ys = model.simulate(6, generator=torch.Generator().manual_seed(4))
+    gaussian_filter(model, ys, "linearization").log_evidence.backward()
+    assert model.transition_diag.unconstrained().grad is not None
+
+
+def test_check_observations_applies_the_missing_data_rule():
+    like = torch.zeros(1, dtype=torch.float32)
+    ys, observed = check_observations([torch.tensor([1.0, float("nan")]), None], 2, like=like)
+    assert ys.dtype == torch.float64 and observed.tolist() == [[True, False], [False, False]]
+    ys, observed = check_observations([None, None], 2, like=like)
+    assert ys.dtype == torch.float32 and not observed.any()
+    with pytest.raises(ValueError, match="time step 1"):
+        check_observations(torch.tensor([[0.0], [float("inf")]]), 1)
+    with pytest.raises(ValueError, match=r"observations\[1\]"):
+        check_observations([torch.zeros(2), torch.zeros(3)], 2)
+    with pytest.raises(ValueError, match="shape"):
+        check_observations(torch.zeros(4, 3), 2)
