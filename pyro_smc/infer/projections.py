@@ -211,7 +211,12 @@ def as_projection(projection: Projection | str, unscented: dict | None = None) -
             ut = Unscented(transition=unscented.get("transition"), observation=unscented.get("observation"))
         else:
             ut = Unscented(**unscented_settings(unscented, "transition"))
-    return {"linearization": Linearization(), "unscented": ut, "moment_matching": MomentMatching(ut)}[projection]
+    return _default(projection, ut)
+
+
+def _default(name: str, ut: Unscented) -> Projection:
+    # The object a name stands for; ``ut`` is the sigma-point setting of the unscented ones.
+    return {"linearization": Linearization(), "unscented": ut, "moment_matching": MomentMatching(ut)}[name]
 
 
 def project(
@@ -243,8 +248,7 @@ def project(
     if isinstance(kind, Projection):
         strategy = kind
     elif kind in PROJECTIONS:
-        ut = Unscented(**(unscented or {}))
-        strategy = {"linearization": Linearization(), "unscented": ut, "moment_matching": MomentMatching(ut)}[kind]
+        strategy = _default(kind, Unscented(**(unscented or {})))
     else:
         raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
     if not is_gp(fn) and not takes_time:
