@@ -40,7 +40,7 @@ import torch
 from _common import add_common_args, f2, f3, met_summary, print_table, progress, setup, write_results
 from pyro_smc import EPSmoother
 from pyro_smc.gp import MultiOutputGP
-from pyro_smc.infer.projections import project
+from pyro_smc.infer.projections import as_projection
 from pyro_smc.models import NonlinearGaussianSSM
 
 NOISE_STD = 0.1
@@ -82,7 +82,7 @@ def scores(result, ssm, projection: str, xs: torch.Tensor, zs: torch.Tensor) -> 
     mae_x = (xs[:, 0] - m).abs().mean()
     nll_z = []
     for t in range(xs.shape[0]):
-        mu, S, _ = project(ssm.observation, result.means[t], result.covariances[t], t, projection, ssm.observation_cov, ssm.observation_takes_time)
+        mu, S, _ = as_projection(projection).moments(ssm.observation_fn, result.means[t], result.covariances[t], t, ssm.observation_cov)
         nll_z.append(0.5 * torch.log(2 * math.pi * S[0, 0]) + 0.5 * (zs[t, 0] - mu[0]) ** 2 / S[0, 0])
     return {"nll_x": float(nll_x), "mae_x": float(mae_x), "nll_z": float(torch.stack(nll_z).mean())}
 
@@ -98,7 +98,7 @@ def run_scenario(seed: int, max_iter: int, fit_steps: int) -> dict:
         out[name] = scores(result.first_sweep, ssm, projection, xs, zs)
         out[f"EP-{name}"] = scores(result, ssm, projection, xs, zs)
         out[f"EP-{name}"].update(sweeps=len(result.history), converged=bool(result.converged),
-                                 skipped=int(sum(h["skipped"] for h in result.history)), seconds=seconds)
+                                 skipped=int(sum(h.skipped for h in result.history)), seconds=seconds)
     return out
 
 

@@ -21,7 +21,7 @@ NLL = mean_t -log N(x_t | m_t, P_t); the tables report the mean over the 10 seed
 Settings (EP: ``power = 0.9``, ``damping = 0.9``, EP-k = after k forward-backward sweeps):
 
 * ``anchor``: their sigma points, alpha = 1, beta = 2, kappa = 3 for the transition and kappa = 2
-  for the measurement (``unscented={"transition": ..., "observation": ...}``).
+  for the measurement (``Unscented(transition=..., observation=...)``).
 * ``single``: kappa = 3, beta = 2 for both factors (public API only).
 * ``default``: the library default (alpha = 1, beta = 0, kappa = 3 - d = 2), the lead's first run.
 * ``linearization``: EKF / EKS / EP with first-order Taylor linearization (their "TT").
@@ -48,7 +48,7 @@ import torch
 
 from _common import add_common_args, f2, f3, met_summary, plural, print_table, progress, setup, write_results, yn
 from pyro_smc import EPSmoother
-from pyro_smc.infer import gaussian_filter
+from pyro_smc.infer import Linearization, Unscented, gaussian_filter
 from pyro_smc.models import NonlinearGaussianSSM
 
 SEEDS = list(range(101, 1101, 100))
@@ -112,14 +112,19 @@ def metrics(result, xs: torch.Tensor) -> tuple[float, float]:
 def run_setting(name: str, ssm, data, iterations: tuple[int, int], power: float, damping: float) -> dict:
     """Per-seed RMSE/NLL of the filter, the smoother (EP first sweep) and EP after ``iterations``."""
     if name == "linearization":
-        projection, ut, filter_name, smoother_name = "linearization", None, "EKF", "EKS"
+        projection, ut, filter_name, smoother_name = Linearization(), None, "EKF", "EKS"
     else:
-        projection, filter_name, smoother_name = "unscented", "UKF", "URTSS"
+        filter_name, smoother_name = "UKF", "URTSS"
         anchor = {"transition": UT_TRANSITION, "observation": UT_MEASUREMENT}
         ut = {"anchor": anchor, "single": UT_TRANSITION, "default": None}[name]
+        projection = {
+            "anchor": Unscented(transition=UT_TRANSITION, observation=UT_MEASUREMENT),
+            "single": Unscented(**UT_TRANSITION),
+            "default": Unscented(),
+        }[name]
 
     def make_ep(max_iter: int) -> EPSmoother:
-        return EPSmoother(ssm, projection=projection, max_iter=max_iter, damping=damping, power=power, unscented=ut)
+        return EPSmoother(ssm, projection=projection, max_iter=max_iter, damping=damping, power=power)
 
     # "EP-1" is the plain first sweep, i.e. the URTSS / EKS.
     rows = {filter_name: [], "EP-1": [], **{f"EP-{k}": [] for k in iterations}}
@@ -127,11 +132,11 @@ def run_setting(name: str, ssm, data, iterations: tuple[int, int], power: float,
     start = time.perf_counter()
     for xs, ys in data:
         # No autograd graph is needed here (the linearization's Jacobians still use autograd inside).
-        rows[filter_name].append(metrics(gaussian_filter(ssm, ys, projection, ut), xs))
+        rows[filter_name].append(metrics(gaussian_filter(ssm, ys, projection), xs))
         for k in iterations:
             result = make_ep(k).smooth(ys)
             rows[f"EP-{k}"].append(metrics(result, xs))
-            skipped[f"EP-{k}"].append(sum(h["skipped"] for h in result.history))
+            skipped[f"EP-{k}"].append(sum(h.skipped for h in result.history))
             if k == iterations[0]:
                 rows["EP-1"].append(metrics(result.first_sweep, xs))
     seconds = time.perf_counter() - start

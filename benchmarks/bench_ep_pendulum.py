@@ -100,7 +100,7 @@ def run_all(ssm, angles, ys, max_iter: int) -> dict:
         if result.history:
             out[name]["sweeps"] = len(result.history)
             out[name]["converged"] = bool(result.converged)
-            out[name]["skipped"] = int(sum(h["skipped"] for h in result.history))
+            out[name]["skipped"] = int(sum(h.skipped for h in result.history))
             out[name]["first_sweep_rmse"] = angle_rmse(result.first_sweep, angles)
 
     record("EKF", lambda: extended_kalman_filter(ssm, ys))

@@ -162,7 +162,7 @@ def exact_log_lik(model: str, theta: torch.Tensor, ys: torch.Tensor) -> torch.Te
     d = ys.shape[-1]
     eye = torch.eye(d, dtype=torch.float64)
     R = (0.09 if model == "ar1" else 0.1) * eye
-    return kalman_filter(ys, torch.diag(theta), eye, eye, R, torch.zeros(d, dtype=torch.float64), eye).log_likelihoods
+    return kalman_filter(ys, torch.diag(theta), eye, eye, R, torch.zeros(d, dtype=torch.float64), eye).log_evidence_increments
 
 
 def exact_scores(model: str, theta_value: float, ys: torch.Tensor, cumulative: bool = False):

@@ -48,7 +48,7 @@ def simulate(T: int, seed: int) -> torch.Tensor:
 
 def kalman_log_evidence(theta: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(2, dtype=theta.dtype)
-    return kalman_filter(ys.to(theta.dtype), torch.diag(theta), eye, eye, 0.1 * eye, torch.zeros(2, dtype=theta.dtype), eye).log_likelihoods.sum()
+    return kalman_filter(ys.to(theta.dtype), torch.diag(theta), eye, eye, 0.1 * eye, torch.zeros(2, dtype=theta.dtype), eye).log_evidence
 
 
 def kalman_mle(ys: torch.Tensor) -> list[float]:

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     _, ys = ssm.simulate(args.steps)
 
     exact_theta = theta.clone().requires_grad_()
-    exact = kalman_filter(ys, torch.diag(exact_theta), eye, eye, 0.1 * eye, torch.zeros(2), eye).log_likelihoods.sum()
+    exact = kalman_filter(ys, torch.diag(exact_theta), eye, eye, 0.1 * eye, torch.zeros(2), eye).log_evidence
     (score,) = torch.autograd.grad(exact, exact_theta)
 
     print(f"2-d linear Gaussian model, T = {args.steps}, theta = (0.5, 0.5)")

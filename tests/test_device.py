@@ -121,16 +121,12 @@ def test_kalman_oracles(opts):
     assert abs(float(log_z) - float(ref)) < _tol(opts) * abs(float(ref))
 
 
-def _linear_as_nonlinear(lin):
-    A, C = lin.A, lin.C
-    return NonlinearGaussianSSM(lambda x: x @ A.T, lin.Q, lambda x: x @ C.T, lin.R, lin.init_mean, lin.init_cov)
-
-
 @pytest.mark.parametrize("projection", ["linearization", "unscented"])
 def test_gaussian_smoothers_and_ep_equal_rts_on_a_linear_model(opts, projection):
     lin = _lgssm(opts)
     ys = _data(lin)
-    ssm = _linear_as_nonlinear(lin)
+    # The linear model goes to the Gaussian engines as it is (the state-space-model protocol).
+    ssm = lin
     with strict(opts):
         sweep = gaussian_smoothers.gaussian_smoother(ssm, ys, projection=projection)
         ep = EPSmoother(ssm, projection=projection, max_iter=2).smooth(ys)
@@ -284,7 +280,7 @@ def test_streaming_guide_offline_under_svi(opts):
 
 
 def test_chaotic_rnn_under_smc(opts):
-    rnn = ChaoticRNN(dim=3, generator=torch.Generator().manual_seed(0)).to(**opts)
+    rnn = ChaoticRNN(state_dim=3, generator=torch.Generator().manual_seed(0)).to(**opts)
     with strict(opts):
         _, ys = rnn.simulate(5, generator=torch.Generator(device=opts["device"]).manual_seed(1))
         smc = SMC(rnn, num_particles=50, num_filters=2).run(ys)
