@@ -4,10 +4,14 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributions import MultivariateNormal, kl_divergence
 
 import pyro_smc.distributions as pd
 from pyro_smc.distributions import MatrixNormal
+from pyro_smc.ops.kronecker import vec
+from tests.property_cases import BATCH, BUG, F32, FLOAT_DTYPES, PROPERTY, SEEDS, dense_kron, gen, random_tril
 from tests.tolerances import EXACT_ATOL, EXACT_RTOL, MC_SIGMAS
 
 SHAPES = [(1, 1), (3, 2), (2, 4)]
@@ -239,3 +243,72 @@ def test_log_prob_of_own_sample_is_exact_when_ill_conditioned():
     logdet = p * d.scale_tril_row.double().diagonal().log().sum() + n * d.scale_tril_col.double().diagonal().log().sum()
     exact = -0.5 * eps.square().sum((-2, -1)) - logdet - 0.5 * n * p * math.log(2 * math.pi)
     torch.testing.assert_close(d.log_prob(w).double(), exact, rtol=1e-5, atol=1e-3)
+
+
+# =================================================================================================
+# Random shapes and dtypes against a dense MultivariateNormal (hypothesis)
+# =================================================================================================
+@PROPERTY
+@given(n=st.integers(1, 4), p=st.integers(1, 4), batch=BATCH, dtype=FLOAT_DTYPES, seed=SEEDS)
+def test_matrix_normal_matches_dense_mvn(n, p, batch, dtype, seed):
+    g = gen(seed)
+    loc = torch.randn(*batch, n, p, generator=g, dtype=dtype)
+    row, col = random_tril(batch, n, g, dtype), random_tril(batch, p, g, dtype)
+    d = MatrixNormal(loc, row, col)
+    assert d.batch_shape == batch and d.event_shape == (n, p)
+    value = loc + torch.randn(3, *batch, n, p, generator=g, dtype=dtype)
+    lp = d.log_prob(value)
+    assert lp.shape == (3,) + batch and lp.dtype == dtype and torch.isfinite(lp).all()
+    cov = dense_kron((col @ col.mT).mT, row @ row.mT)  # V kron U (V symmetric)
+    mvn = MultivariateNormal(vec(loc).double(), covariance_matrix=cov)
+    ref = mvn.log_prob(vec(value).double())
+    rtol = 1e-4 if dtype == F32 else 1e-10
+    assert (lp.double() - ref).abs().max() <= rtol * (n * p + ref.abs().max())
+    assert (d.entropy().double() - mvn.entropy()).abs().max() <= rtol * (n * p + mvn.entropy().abs().max())
+    w = d.rsample((2,))
+    assert w.shape == (2,) + batch + (n, p) and torch.isfinite(d.log_prob(w)).all()
+
+
+# =================================================================================================
+# Invalid scale factors
+# =================================================================================================
+INVALID_SCALES = ["upper", "zero_diagonal", "negative_diagonal", "nan", "wrong_size"]
+
+
+@PROPERTY
+@given(n=st.integers(1, 4), p=st.integers(1, 4), dtype=FLOAT_DTYPES, seed=SEEDS, which=st.sampled_from(["row", "col"]), kind=st.sampled_from(INVALID_SCALES))
+def test_matrix_normal_rejects_invalid_scale_factors(n, p, dtype, seed, which, kind):
+    g = gen(seed)
+    size = n if which == "row" else p
+    scale = random_tril((), size, g, dtype)
+    i = int(torch.randint(size, (), generator=g))
+    if kind == "upper":
+        if size == 1:
+            kind = "negative_diagonal"  # no strict upper triangle
+        else:
+            j = int(torch.randint(1, size, (), generator=g))
+            scale[min(i, j - 1), j] = 0.7
+    if kind == "zero_diagonal":
+        scale[i, i] = 0.0
+    elif kind == "negative_diagonal":
+        scale[i, i] = -0.5
+    elif kind == "nan":
+        scale[i, int(torch.randint(i + 1, (), generator=g))] = math.nan
+    elif kind == "wrong_size":
+        scale = random_tril((), size + 1, g, dtype)
+    row = scale if which == "row" else random_tril((), n, g, dtype)
+    col = scale if which == "col" else random_tril((), p, g, dtype)
+    with pytest.raises(ValueError, match=f"scale_tril_{which}"):
+        MatrixNormal(torch.zeros(n, p, dtype=dtype), row, col)
+
+
+@BUG
+@given(n=st.integers(1, 3), p=st.integers(1, 3), dtype=FLOAT_DTYPES, which=st.sampled_from(["row", "col"]))
+def test_matrix_normal_rejects_an_infinite_scale(n, p, dtype, which):
+    size = n if which == "row" else p
+    scale = torch.eye(size, dtype=dtype)
+    scale[0, 0] = math.inf
+    row = scale if which == "row" else torch.eye(n, dtype=dtype)
+    col = scale if which == "col" else torch.eye(p, dtype=dtype)
+    with pytest.raises(ValueError, match=f"scale_tril_{which}"):
+        MatrixNormal(torch.zeros(n, p, dtype=dtype), row, col)

@@ -9,6 +9,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
 
 from pyro_smc.guides import AutoKroneckerFlow
 from pyro_smc.guides.kronecker_flow import factor_from_params, params_from_factor
+from tests.cases import DTYPE_IDS, DTYPES
 
 KINDS = ["diag", "linear", "nonlinear"]
 SIGMA = 0.3
@@ -61,6 +62,35 @@ def test_svi_runs_and_model_guide_match(kind):
     # Predictive pads global sites with the model's plate dims, as for every AutoGuide.
     assert samples["w"].shape == (5, 1, 3, 2) and samples["y"].shape == (5, 30, 2)
     assert (samples["s"] > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["diag", "linear", "nonlinear"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kronecker_flow_svi_in_both_dtypes(dtype, kind):
+    torch.set_default_dtype(dtype)
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, 2, dtype=dtype), 1.0).to_event(2))
+        s = pyro.sample("s", dist.LogNormal(torch.zeros((), dtype=dtype), 1.0))
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("y", dist.Normal(x @ w, 0.3 * s).to_event(1), obs=y)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 3, generator=g, dtype=dtype)
+    y = x @ torch.randn(3, 2, generator=g, dtype=dtype) + 0.3 * torch.randn(20, 2, generator=g, dtype=dtype)
+    guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(8,))
+    elbos = [Trace_ELBO()] + ([TraceMeanField_ELBO()] if kind != "nonlinear" else [])
+    losses = []
+    for elbo in elbos:
+        svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.02}), elbo)
+        losses += [svi.step(x, y) for _ in range(4)]
+    assert all(math.isfinite(v) for v in losses), losses
+    params = dict(guide.named_parameters())
+    assert params and all(p.dtype == dtype for p in params.values()), {k: p.dtype for k, p in params.items()}
+    assert all(bool(torch.isfinite(p).all()) for p in params.values())
+    draw = guide(x, y)
+    assert draw["w"].dtype == dtype and draw["w"].shape == (3, 2) and torch.isfinite(draw["w"]).all()
+    assert guide.median(x, y)["w"].dtype == dtype
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -10,48 +10,13 @@ a few hundred) and the unrolled one was NaN. Every filter gets its own copy of `
 import warnings
 
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 
 from pyro_smc import SMC
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.resamplers import OTResampler
-
-
-class SharpAR1:
-    """x_1 ~ N(0, 1), x_t = theta x_{t-1} + N(0, 1), y_t ~ N(x_t, obs_sd^2); theta may be (B, 1)."""
-
-    def __init__(self, theta, obs_sd=0.3):
-        self.theta, self.obs_sd = theta, obs_sd
-
-    def init(self, state):
-        self.t = 0
-
-    def step(self, state, y=None):
-        loc = self.theta * state["x"] if self.t else torch.zeros(())
-        state["x"] = pyro.sample(f"x_{self.t}", dist.Normal(loc, 1.0))
-        pyro.sample(f"y_{self.t}", dist.Normal(state["x"], self.obs_sd), obs=y)
-        self.t += 1
-
-
-def simulate(num_steps, seed, theta=0.8, obs_sd=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    x, ys = 0.0, []
-    for _ in range(num_steps):
-        x = theta * x + torch.randn((), generator=gen, dtype=torch.float64)
-        ys.append(x + obs_sd * torch.randn((), generator=gen, dtype=torch.float64))
-    return torch.stack(ys)
-
-
-def per_run_gradients(ys, resampler, num_filters, num_particles, seed, theta=0.2, ess_threshold=0.5):
-    """``d log Z_hat_b / d theta_b`` for ``num_filters`` independent runs, shape ``(B,)``."""
-    pyro.set_rng_seed(seed)
-    theta = torch.full((num_filters, 1), theta, dtype=ys.dtype, requires_grad=True)
-    smc = SMC(SharpAR1(theta), num_particles=num_particles, num_filters=num_filters, resampler=resampler, ess_threshold=ess_threshold)
-    smc.run(ys)
-    (grad,) = torch.autograd.grad(smc.log_evidence.sum(), theta)
-    return grad.squeeze(-1), smc
+from tests.infer.sharp_ar1 import SharpAR1, per_run_gradients, simulate
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

@@ -12,6 +12,7 @@ from pyro_smc import SMC
 from pyro_smc.infer.smc import SMCFailedError
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
+from tests.cases import isotropic_lgssm
 from tests.infer.paper_model import DiagLinearGaussian, kalman_log_evidence, simulate
 from tests.tolerances import MC_SIGMAS
 
@@ -276,6 +277,16 @@ def test_nan_and_inf_observations_name_the_step():
     smc.step(ys[0])
     with pytest.raises(ValueError, match="time step 1"):
         smc.step(ys_bad[4])
+
+
+def test_smc_rejects_observations_of_the_wrong_shape():
+    ssm = isotropic_lgssm(torch.float64)
+    with pytest.raises(ValueError, match="observations"):
+        SMC(ssm, num_particles=4).run(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="observations"):
+        SMC(ssm, num_particles=4).run([[0.0, 0.0]])
+    with pytest.raises(ValueError):  # Pyro's own validation of the observed site's event shape
+        SMC(ssm, num_particles=4).run(torch.zeros(3, 5))
 
 
 @pytest.mark.parametrize(

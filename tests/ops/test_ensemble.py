@@ -5,6 +5,7 @@ import torch
 
 import pyro_smc.ops.sinkhorn as sk
 from pyro_smc.ops.ensemble import ensemble_transform
+from tests.cases import DTYPE_IDS, DTYPES, EPSILONS, ot_threshold
 
 
 def _cloud(batch, n, d=2, seed=0, spread=1.0):
@@ -124,3 +125,34 @@ def test_conjugate_gradient_adjoint_matches_dense(monkeypatch):
     for other in (cg_then_dense, mixed, cg_only):
         for d, c in zip(dense, other):
             assert torch.allclose(d, c, rtol=1e-6, atol=1e-8)
+
+
+# =================================================================================================
+# OT with epsilon down to 0.01
+# =================================================================================================
+@pytest.mark.parametrize("epsilon", EPSILONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_ensemble_transform_mean_error_is_bounded_by_the_plans_marginal_errors(dtype, epsilon):
+    """Exact identity: with x~_i = sum_j P_ij x_j / r_i, |mean(x~) - sum_j w_j x_j| is at most
+    (||P^T 1 - w||_1 + ||P 1 - 1/N||_1) max|x| (plus rounding), whatever the threshold; so the
+    transform preserves the weighted mean exactly at an exact plan."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 50, 3, generator=g, dtype=dtype)
+    lw = (3 * torch.randn(3, 50, generator=g, dtype=dtype)).log_softmax(-1)
+    for threshold in (1e-2, ot_threshold(dtype)):
+        x_new, plan = ensemble_transform(x, lw, epsilon, threshold=threshold, max_iter=20000)
+        col = (plan.sum(-2) - lw.exp()).abs().sum(-1)
+        row = (plan.sum(-1) - 1 / 50).abs().sum(-1)
+        err = (x_new.mean(-2) - (lw.exp().unsqueeze(-1) * x).sum(-2)).abs().amax(-1)
+        scale = x.abs().amax((-1, -2))
+        assert (err <= (col + row) * scale + 500 * torch.finfo(dtype).eps * scale).all(), (err, col, row)
+
+
+# =================================================================================================
+# Invalid input
+# =================================================================================================
+@pytest.mark.parametrize("epsilon", [0.0, -0.5, math.nan])
+def test_ensemble_transform_rejects_bad_epsilon(epsilon):
+    x = torch.randn(1, 5, 2)
+    with pytest.raises(ValueError, match="epsilon"):
+        ensemble_transform(x, torch.full((1, 5), -math.log(5)), epsilon)

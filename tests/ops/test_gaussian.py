@@ -1,7 +1,10 @@
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pyro_smc.ops.gaussian import check_psd, damp, divide, is_proper, multiply, psd_repair, to_moment, to_natural
+from pyro_smc.ops.gaussian import check_psd, damp, divide, is_proper, multiply, psd_repair, to_moment, to_natural, tril_from_vector, tril_to_vector
+from tests.property_cases import BATCH, BUG, F32, F64, FLOAT_DTYPES, PROPERTY, SEEDS, eps, gen, random_tril
 
 
 def _random_gaussian(d, seed):
@@ -62,3 +65,80 @@ def test_psd_repair_clips_eigenvalues_only():
     bad = P - 2 * torch.linalg.eigvalsh(P).max() * torch.outer(torch.ones(4), torch.ones(4)) / 4
     fixed = psd_repair(bad, 1e-6)
     assert torch.linalg.eigvalsh(fixed).min() >= 1e-6 - 1e-12
+
+
+# =================================================================================================
+# Random shapes, dtypes and conditioning (hypothesis)
+# =================================================================================================
+@PROPERTY
+@given(batch=BATCH, d=st.integers(1, 5), dtype=FLOAT_DTYPES, seed=SEEDS, log10_condition=st.floats(0.0, 3.0))
+def test_natural_moment_round_trip(batch, d, dtype, seed, log10_condition):
+    g = gen(seed)
+    q, _ = torch.linalg.qr(torch.randn(*batch, d, d, generator=g, dtype=F64))
+    eigenvalues = 10 ** (log10_condition * (torch.rand(*batch, d, generator=g, dtype=F64) - 0.5))
+    cov = ((q * eigenvalues.unsqueeze(-2)) @ q.mT).to(dtype)
+    cov = (cov + cov.mT) / 2
+    mean = torch.randn(*batch, d, generator=g, dtype=dtype)
+    eta, prec = to_natural(mean, cov)
+    assert eta.shape == mean.shape and prec.shape == cov.shape and eta.dtype == prec.dtype == dtype
+    assert torch.equal(prec, prec.mT)
+    condition = 10**log10_condition
+    tol = (1e-4 if dtype == F32 else 1e-11) * condition
+    eye = torch.eye(d, dtype=F64)
+    assert (prec.double() @ cov.double() - eye).abs().max() <= tol * d
+    mean2, cov2 = to_moment(eta, prec)
+    scale = float(cov.abs().max())
+    assert (cov2.double() - cov.double()).abs().max() <= tol * d * scale
+    assert (mean2.double() - mean.double()).abs().max() <= tol * d * (1 + float(mean.abs().max()))
+
+
+@PROPERTY
+@given(batch=BATCH, size=st.integers(1, 6), dtype=FLOAT_DTYPES, seed=SEEDS, scale=st.sampled_from([0.1, 1.0, 5.0]))
+def test_tril_vector_round_trip(batch, size, dtype, seed, scale):
+    g = gen(seed)
+    params = scale * torch.randn(*batch, size * (size + 1) // 2, generator=g, dtype=dtype)
+    tril = tril_from_vector(params, size)
+    assert tril.shape == batch + (size, size) and tril.dtype == dtype
+    assert torch.isfinite(tril).all() and torch.equal(tril, tril.tril())
+    assert (tril.diagonal(dim1=-2, dim2=-1) > 0).all()
+    tol = 8 * eps(dtype) * (1 + scale)
+    assert (tril_to_vector(tril) - params).abs().max() <= tol
+    # And the other way round, from any lower-triangular factor with positive diagonal.
+    factor = random_tril(batch, size, g, dtype)
+    assert (tril_from_vector(tril_to_vector(factor), size) - factor).abs().max() <= 8 * eps(dtype)
+
+
+# =================================================================================================
+# Invalid input: each test failed before its fix
+# =================================================================================================
+@BUG
+@given(size=st.integers(1, 5), seed=SEEDS, value=st.sampled_from([0.0, -0.5, -2.0]))
+def test_tril_to_vector_rejects_a_non_positive_diagonal(size, seed, value):
+    g = gen(seed)
+    factor = random_tril((), size, g, F64)
+    i = int(torch.randint(size, (), generator=g))
+    factor[i, i] = value
+    with pytest.raises(ValueError, match="diagonal|scale_tril"):
+        tril_to_vector(factor)
+
+
+@BUG
+@given(size=st.integers(1, 5), off=st.sampled_from([-1, 1, 2]))
+def test_tril_from_vector_rejects_the_wrong_length(size, off):
+    length = size * (size + 1) // 2 + off
+    if length < 1:
+        length = 2
+    with pytest.raises(ValueError, match="params|size"):
+        tril_from_vector(torch.zeros(length), size)
+
+
+@BUG
+@given(d=st.integers(1, 4), seed=SEEDS, which=st.sampled_from(["to_natural", "to_moment"]), value=st.sampled_from([0.0, -1.0]))
+def test_gaussian_conversions_reject_non_positive_definite_matrices(d, seed, which, value):
+    g = gen(seed)
+    matrix = torch.eye(d, dtype=F64)
+    i = int(torch.randint(d, (), generator=g))
+    matrix[i, i] = value
+    fn = to_natural if which == "to_natural" else to_moment
+    with pytest.raises(ValueError):
+        fn(torch.zeros(d, dtype=F64), matrix)

@@ -1,5 +1,9 @@
+import math
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pyro_smc.ops import kronecker
 from pyro_smc.ops.kronecker import (
@@ -15,6 +19,7 @@ from pyro_smc.ops.kronecker import (
     unvec,
     vec,
 )
+from tests.property_cases import BATCH, BUG, F32, F64, FLOAT_DTYPES, PROPERTY, SEEDS, dense_kron, gen, random_tril
 from tests.tolerances import EXACT_ATOL, EXACT_RTOL
 
 SHAPES = [(1, 1), (3, 2), (2, 4), (4, 4)]
@@ -108,3 +113,82 @@ def test_float32_and_gradients():
     out = kron_solve(a.detach().float(), b.detach().float(), y.detach().float(), tri_a="lower", tri_b="lower")
     assert out.dtype == torch.float32
     assert torch.allclose(out.double(), kron_solve(a, b, y).detach(), atol=1e-5)
+
+
+# =================================================================================================
+# Random shapes, dtypes and triangles against dense torch.kron (hypothesis)
+# =================================================================================================
+TRI = st.sampled_from([None, "lower", "upper"])
+
+
+@PROPERTY
+@given(n=st.integers(1, 4), p=st.integers(1, 4), batch=BATCH, dtype=FLOAT_DTYPES, seed=SEEDS, tri_a=TRI, tri_b=TRI)
+def test_kronecker_ops_match_dense_kron(n, p, batch, dtype, seed, tri_a, tri_b):
+    g = gen(seed)
+
+    def factor(size, tri):
+        if tri is None:
+            clean = torch.randn(*batch, size, size, generator=g, dtype=dtype) / math.sqrt(size) + 2 * torch.eye(size, dtype=dtype)
+            return clean, clean
+        clean = random_tril(batch, size, g, dtype)
+        clean = clean if tri == "lower" else clean.transpose(-1, -2)
+        # The unused triangle holds garbage: a triangular solve must read only its own triangle.
+        noise = torch.randn(*batch, size, size, generator=g, dtype=dtype)
+        return clean, clean + (noise.triu(1) if tri == "lower" else noise.tril(-1))
+
+    a, a_dirty = factor(n, tri_a)
+    b, b_dirty = factor(p, tri_b)
+    x = torch.randn(*batch, n, p, generator=g, dtype=dtype)
+    dense = dense_kron(b, a)
+    rtol = 1e-4 if dtype == F32 else 1e-10
+
+    y = kron_matvec(a, b, x)
+    assert y.shape == x.shape and y.dtype == dtype
+    ref = (dense @ vec(x).double().unsqueeze(-1)).squeeze(-1)
+    assert (vec(y).double() - ref).abs().max() <= rtol * (1 + ref.abs().max())
+
+    sol = kron_solve(a_dirty, b_dirty, y, tri_a=tri_a, tri_b=tri_b)
+    ref_sol = torch.linalg.solve(dense, vec(y).double())
+    assert sol.shape == x.shape and sol.dtype == dtype
+    assert (vec(sol).double() - ref_sol).abs().max() <= 10 * rtol * (1 + ref_sol.abs().max())
+
+    triangular = tri_a is not None and tri_b is not None
+    logdet = kron_logdet(a, b, triangular=triangular)
+    ref_logdet = torch.linalg.slogdet(dense).logabsdet
+    assert logdet.shape == batch and (logdet.double() - ref_logdet).abs().max() <= rtol * (n * p + ref_logdet.abs().max())
+
+
+# =================================================================================================
+# Invalid input
+# =================================================================================================
+@PROPERTY
+@given(bad=st.text(max_size=8).filter(lambda s: s not in ("lower", "upper")), which=st.sampled_from(["tri_a", "tri_b"]))
+def test_kron_solve_rejects_unknown_triangle(bad, which):
+    with pytest.raises(ValueError, match=which):
+        kron_solve(torch.eye(2), torch.eye(3), torch.ones(2, 3), **{which: bad})
+
+
+# Each of these failed before its fix.
+@BUG
+@given(n=st.integers(1, 4), p=st.integers(1, 4), off=st.integers(1, 2), op=st.sampled_from(["matvec", "solve", "logdet"]))
+def test_kronecker_ops_reject_shape_mismatch(n, p, off, op):
+    a, b = torch.eye(n), torch.eye(p)
+    x = torch.ones(n + off, p)  # rows do not match a
+    with pytest.raises(ValueError):
+        if op == "matvec":
+            kron_matvec(a, b, x)
+        elif op == "solve":
+            kron_solve(a, b, x)
+        else:
+            kron_logdet(torch.ones(n, n + off), b)
+
+
+@BUG
+@given(n=st.integers(1, 4), p=st.integers(1, 4), seed=SEEDS)
+def test_kron_solve_rejects_a_singular_triangular_factor(n, p, seed):
+    g = gen(seed)
+    a = random_tril((), n, g, F64)
+    a[int(torch.randint(n, (), generator=g)), :] = 0.0  # a zero row: singular
+    y = torch.randn(n, p, generator=g, dtype=F64)
+    with pytest.raises(ValueError):
+        kron_solve(a, torch.eye(p, dtype=F64), y, tri_a="lower")

@@ -2,9 +2,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pyro_smc.ops import resample
-from pyro_smc.ops.weights import ess, log_mean_exp, normalize
+from pyro_smc.ops.weights import normalize
+from tests.cases import DTYPE_IDS, DTYPES
+from tests.property_cases import BATCH, BUG, F32, F64, FLOAT_DTYPES, PROPERTY, RESAMPLING_SCHEMES, SEEDS, gen, random_log_weights
 
 SCHEMES = [resample.multinomial, resample.stratified, resample.systematic]
 
@@ -44,12 +48,97 @@ def test_zero_weight_particles_never_chosen(scheme):
     assert set(idx.unique().tolist()) <= {0, 3}
 
 
-def test_weights_helpers():
-    lw = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
-    nlw, log_sum = normalize(lw)
-    assert torch.allclose(nlw.exp().sum(-1), torch.ones(2))
-    assert torch.allclose(log_sum, lw.logsumexp(-1))
-    w = nlw.exp()
-    assert torch.allclose(ess(nlw), 1 / (w * w).sum(-1))
-    assert torch.allclose(ess(nlw[1]), torch.tensor(3.0))
-    assert torch.allclose(log_mean_exp(lw), lw.exp().mean(-1).log())
+# =================================================================================================
+# Extreme log-weights (+-1e4)
+# =================================================================================================
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.__name__)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dominant_weight_resamples_to_that_particle(dtype, scheme):
+    n, k = 30, 11
+    for lw in (
+        torch.zeros(5, n, dtype=dtype).index_fill_(-1, torch.tensor([k]), 1e4),
+        torch.full((5, n), -1e4, dtype=dtype).index_fill_(-1, torch.tensor([k]), 0.0),
+    ):
+        idx = scheme(normalize(lw)[0])
+        assert idx.dtype == torch.int64 and idx.shape == (5, n)
+        assert (idx == k).all()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.__name__)
+def test_index_resampling_of_shifted_weights_is_identical(scheme):
+    """Resampling normalise(lw + 1e4) or normalise(lw - 1e4) draws the same ancestors as
+    normalise(lw) for the same random numbers (float64: the shift changes only the last bits)."""
+    g = torch.Generator().manual_seed(2)
+    lw = 2 * torch.randn(6, 40, generator=g)
+    results = []
+    for shift in (0.0, 1e4, -1e4):
+        torch.manual_seed(123)
+        results.append(scheme(normalize(lw + shift)[0]))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+# =================================================================================================
+# Random shapes, dtypes, scales and zero weights (hypothesis)
+# =================================================================================================
+@PROPERTY
+@given(
+    batch=BATCH,
+    n=st.integers(1, 40),
+    dtype=FLOAT_DTYPES,
+    seed=SEEDS,
+    scheme=RESAMPLING_SCHEMES,
+    scale=st.sampled_from([0.0, 1.0, 5.0, 1e4]),
+    zero_fraction=st.sampled_from([0.0, 0.5, 0.95]),
+)
+def test_index_resampling(batch, n, dtype, seed, scheme, scale, zero_fraction):
+    g = gen(seed)
+    lw = random_log_weights(batch + (n,), g, dtype, scale, zero_fraction)
+    torch.manual_seed(seed)
+    idx = scheme(lw)
+    assert idx.shape == lw.shape and idx.dtype == torch.int64
+    assert ((idx >= 0) & (idx < n)).all()
+    assert torch.isfinite(lw.gather(-1, idx)).all()  # a zero-weight particle is never an ancestor
+    if scheme is not resample.multinomial:
+        # Inverse-CDF schemes on sorted points: ancestors are sorted, and systematic resampling
+        # gives every particle floor(N w) or ceil(N w) offspring (up to the rounding of N w).
+        assert (idx.diff(dim=-1) >= 0).all()
+    if scheme is resample.systematic:
+        counts = torch.zeros(lw.shape, dtype=F64).scatter_add_(-1, idx, torch.ones(lw.shape, dtype=F64))
+        expected = n * lw.double().exp()
+        slack = 1e-3 if dtype == F32 else 1e-9
+        assert ((counts >= (expected - slack).floor()) & (counts <= (expected + slack).ceil())).all()
+
+
+@PROPERTY
+@given(batch=BATCH, n=st.integers(1, 60), dtype=FLOAT_DTYPES, seed=SEEDS, scheme=RESAMPLING_SCHEMES)
+def test_index_resampling_of_equal_weights(batch, n, dtype, seed, scheme):
+    """Equal weights: systematic and stratified keep every particle exactly once."""
+    lw = torch.full(batch + (n,), -math.log(n), dtype=dtype)
+    torch.manual_seed(seed)
+    idx = scheme(lw)
+    assert idx.shape == lw.shape and ((idx >= 0) & (idx < n)).all()
+    if scheme is not resample.multinomial:
+        assert torch.equal(idx, torch.arange(n).expand(lw.shape))
+
+
+# =================================================================================================
+# Invalid log-weights: each test failed before its fix
+# =================================================================================================
+@BUG
+@given(scheme=RESAMPLING_SCHEMES, dtype=FLOAT_DTYPES)
+def test_resampling_rejects_scalar_log_weights(scheme, dtype):
+    with pytest.raises(ValueError, match="log_weights"):
+        scheme(torch.zeros((), dtype=dtype))
+
+
+@pytest.mark.parametrize("bad", [-math.inf, math.nan], ids=["all_-inf", "nan"])
+@pytest.mark.parametrize("scheme", [resample.systematic, resample.stratified], ids=lambda s: s.__name__)
+def test_index_resampling_rejects_invalid_weights(scheme, bad):
+    with pytest.raises(ValueError, match="log_weights"):
+        scheme(torch.full((3, 4), bad))
+
+
+@pytest.mark.parametrize("bad", [-math.inf, math.nan], ids=["all_-inf", "nan"])
+def test_multinomial_resampling_rejects_invalid_weights(bad):
+    with pytest.raises(ValueError, match="log_weights"):
+        resample.multinomial(torch.full((3, 4), bad))
