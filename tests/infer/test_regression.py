@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyro_smc.regression import KernelRidgeRegressor, MLPRegressor, QuadraticRegressor, Regressor, make_regressor
+from pyro_smc.infer.regression import KernelRidgeRegressor, MLPRegressor, QuadraticRegressor, Regressor, make_regressor
 
 SEED = 0
 F64 = torch.float64
@@ -330,3 +330,11 @@ def test_make_regressor():
         make_regressor("gp")
     with pytest.raises(ValueError, match="kwargs"):
         make_regressor(mlp, num_steps=3)
+
+
+def test_the_old_import_path_re_exports_the_same_objects():
+    import pyro_smc.infer.regression as new
+    import pyro_smc.regression as old
+
+    assert all(getattr(old, name) is getattr(new, name) for name in new.__all__)
+    assert old.__all__ == new.__all__
