@@ -9,17 +9,18 @@ Doucet, 2021). One :meth:`OnlineVariationalFilter.step` reads as its equations::
                           - log q_t(x_{t-1} | x_t) - log q_t(x_t)
     phi_t   = argmax E_{q_t(x_t) q_t(x_{t-1} | x_t)} [ U_{t-1}(x_{t-1}) + delta ]      (reparameterised)
     U_t     = regress  x_t  ->  U_{t-1}(x_{t-1}) + delta           (U_t approximates V_t - log q_t)
-    L_t     = E[ U_{t-1}(x_{t-1}) + delta ]                          (the running ELBO)
+    L_t     = E[ U_{t-1}(x_{t-1}) + delta ]                          (log_evidence, the running ELBO)
 
 ``U_t = V_t - log q_t`` is regressed rather than the value function ``V_t`` itself because it is
 nearly constant (exactly ``log p(y_{1:t})`` when every ``q`` is exact), which is easy to fit.
 At ``t = 0`` the increment is ``log mu(x_0) + log g(y_0 | x_0) - log q_0(x_0)``.
 
-With ``learn_parameters=True`` the model's parameters ``theta`` (every ``pyro.param`` /
-``PyroParam`` that ``model.step`` reads) follow the variational analogue of recursive maximum
-likelihood: per-sample scores ``s_t = grad_theta [log f + log g]`` feed a second regression
-``S_t(x_t) ~ S_{t-1}(x_{t-1}) + s_t``, ``G_t = E_{q_t}[S_t]`` estimates ``grad_theta L_t``, and
-``theta <- theta + eta_t (G_t - G_{t-1})`` with the Robbins-Monro step ``eta_t = lr * 10 / (10 + t^0.6)``.
+The parts, one module each: the step's fixed inputs and model runs
+(:mod:`~pyro_smc.infer.online_context`), where the optimisation starts
+(:mod:`~pyro_smc.infer.online_init`), the objective and its optimiser
+(:mod:`~pyro_smc.infer.online_objective`), the regressors (:mod:`~pyro_smc.infer.regression`) and
+online parameter learning (:mod:`~pyro_smc.infer.online_learning`). The filter here orchestrates
+them and owns the carried state and checkpointing.
 
 Constant cost: the guide has one fixed set of parameters (no new ``pyro.param`` per step), the
 optimiser's state is reset each step, the regressors see a fixed number of samples, and what is
@@ -42,42 +43,35 @@ Example:
     >>> vf = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=20)
     >>> for y in ys:
     ...     vf = vf.step(y)
-    >>> vf.filtering_distribution().mean.shape
-    torch.Size([2])
+    >>> vf = vf.step(None)                                  # a missing observation: predict only
+    >>> vf.filtering_distribution().mean.shape, vf.t
+    (torch.Size([2]), 6)
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
 from collections import deque
 from typing import Any, Callable
 
-import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.distributions.util import scale_and_mask
-from pyro.nn import PyroModule
-from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_smc.guides.streaming import GaussianKernel, StreamingFilterGuide, _gaussian
+from pyro_smc.guides.streaming_family import GaussianKernel, StreamingFamily, gaussian
 from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
-from pyro_smc.ops.jacobian import per_sample_gradients
-from pyro_smc.ops.laplace import jittered, laplace_newton, regression_kernel
-from pyro_smc.regression import QuadraticRegressor, Regressor, make_regressor
+from pyro_smc.infer.online_context import StepContext, check_observation
+from pyro_smc.infer.online_init import initialise
+from pyro_smc.infer.online_learning import ParameterLearner, robbins_monro
+from pyro_smc.infer.online_objective import StepOptimiser, draw, increment
+from pyro_smc.infer.regression import QuadraticRegressor, Regressor, make_regressor
+from pyro_smc.tracing import module_context
 
 __all__ = ["INITIALIZE", "OnlineVariationalFilter", "robbins_monro"]
 
 INITIALIZE = ("laplace", "predict", "previous")
-_NEWTON_STEPS = 5
-
-
-def robbins_monro(lr: float) -> Callable[[int], float]:
-    """The step-size schedule ``eta_t = lr * 10 / (10 + t^0.6)`` ."""
-    return lambda t: lr * 10.0 / (10.0 + t**0.6)
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -92,7 +86,9 @@ class OnlineVariationalFilter:
     Args:
         model: an ``init``/``step`` model as :class:`~pyro_smc.SMC` runs it (a ``PyroModule``
             with ``PyroParam``s, or any object whose ``step`` calls ``pyro.param``).
-        guide: a :class:`~pyro_smc.guides.StreamingFilterGuide` in online mode (``num_steps=None``).
+        guide: a :class:`~pyro_smc.guides.StreamingFilterGuide` in its online role
+            (``StreamingFilterGuide(d)``, no ``num_steps``), or a
+            :class:`~pyro_smc.guides.StreamingFamily` with one kernel.
         num_samples: Monte Carlo samples per optimisation iteration.
         num_iterations: Adam iterations on ``phi_t`` per observation (0: use the guide as it is).
         lr: Adam learning rate for ``phi_t`` (decayed tenfold over each step's iterations).
@@ -101,23 +97,41 @@ class OnlineVariationalFilter:
             or a :class:`~pyro_smc.regression.Regressor` (copied for the value and the score).
         num_regression_samples: samples per regression fit (and in the carried state batch).
         window: number of past backward kernels kept for lagged smoothing samples.
-        initialize: how each step's optimisation starts. ``"laplace"``: ``q_t`` at the Laplace
-            approximation of the model's one-step prediction from ``q_{t-1}`` times ``g(y_t | x_t)``
-            (clipped-curvature Newton steps with backtracking; the Kalman update for a
-            linear-Gaussian observation), and the kernel at the linear
-            regression of ``x_{t-1}`` on ``x_t`` under the prediction (both exact for
-            linear-Gaussian models up to Monte Carlo error); ``"predict"``: the same without the
-            Newton step; ``"previous"``: the guide's current parameters.
+        initialize: how each step's optimisation starts (:mod:`~pyro_smc.infer.online_init`).
+            ``"laplace"``: ``q_t`` at the Laplace approximation of the model's one-step prediction
+            from ``q_{t-1}`` times ``g(y_t | x_t)``, and the kernel at the linear regression of
+            ``x_{t-1}`` on ``x_t`` under the prediction (both exact for linear-Gaussian models up
+            to Monte Carlo error); ``"predict"``: the same without the Newton steps;
+            ``"previous"``: the guide's current parameters.
         learn_parameters: update the model's parameters online.
         parameter_lr: ``eta_0`` of the Robbins-Monro schedule, or a callable ``t -> eta_t``.
         state_key: the ``state`` entry holding the latent (found automatically when ``None``).
         progress_bar: show a tqdm progress bar in :meth:`run`.
+
+    Attributes:
+        t: the number of observations assimilated since :meth:`init`.
+        log_evidence: the running ELBO ``L_t``, a Monte Carlo estimate of a lower bound on
+            ``log p(y_{1:t})`` (scalar tensor). ``elbo`` is the same number.
+        log_evidence_increment: ``L_t - L_{t-1}``. ``elbo_increment`` is the same number.
+        last_increments: the last step's per-sample increments ``delta`` ``(N,)``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc import OnlineVariationalFilter
+        >>> from pyro_smc.guides import StreamingFilterGuide
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> eye = torch.eye(2)
+        >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2), eye)
+        >>> _, ys = ssm.simulate(4)
+        >>> vf = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=5).run(ys)
+        >>> vf.t, bool(vf.log_evidence == vf.elbo)
+        (4, True)
     """
 
     def __init__(
         self,
         model: Any,
-        guide: StreamingFilterGuide,
+        guide: StreamingFamily,
         *,
         num_samples: int = 32,
         num_iterations: int = 100,
@@ -134,9 +148,9 @@ class OnlineVariationalFilter:
     ):
         if not (hasattr(model, "init") and hasattr(model, "step")):
             raise ValueError("model must have init(state, ...) and step(state, y, ...) methods")
-        if not isinstance(guide, StreamingFilterGuide):
+        if not isinstance(guide, StreamingFamily):
             raise ValueError(f"guide must be a StreamingFilterGuide, got {type(guide).__name__}")
-        if guide.num_steps is not None:
+        if getattr(guide, "num_steps", None) is not None or guide.num_kernels != 1:
             raise ValueError("guide must be in online mode (StreamingFilterGuide(state_dim) without num_steps)")
         if initialize not in INITIALIZE:
             raise ValueError(f"initialize must be one of {INITIALIZE}, got {initialize!r}")
@@ -157,56 +171,71 @@ class OnlineVariationalFilter:
             self._value_regressor = make_regressor(regressor) if isinstance(regressor, str) else copy.deepcopy(make_regressor(regressor))
         except ValueError as error:
             raise ValueError(f"regressor: {error}") from None
-        self._score_regressor = copy.deepcopy(self._value_regressor)
-        if isinstance(self._value_regressor, QuadraticRegressor):
-            features = 1 + guide.state_dim + guide.state_dim * (guide.state_dim + 1) // 2
-            if self.num_regression_samples < 2 * features:
-                # Measured: at d = 10 (66 features) 64 samples give NaN and 128 a runaway theta.
-                warnings.warn(
-                    f"num_regression_samples={self.num_regression_samples} is below twice the {features} quadratic features of a "
-                    f"{guide.state_dim}-d state; the regressions (and online parameter learning) can diverge",
-                    stacklevel=2,
-                )
+        self._learner = ParameterLearner(copy.deepcopy(self._value_regressor), self.parameter_schedule)
+        self._warn_if_too_few_regression_samples()
         self._state_key = state_key
         self.progress_bar = bool(progress_bar)
         self.lr = float(lr)
         self.initial_lr = 10.0 * self.lr if initial_lr is None else float(initial_lr)
         if not self.initial_lr > 0:
             raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
-        self._optim = torch.optim.Adam(list(guide.parameters()), lr=lr)
+        self._optimiser = StepOptimiser(guide, lr=self.lr, initial_lr=self.initial_lr, num_iterations=self.num_iterations, num_samples=self.num_samples)
         self.init()
+
+    def _warn_if_too_few_regression_samples(self) -> None:
+        if not isinstance(self._value_regressor, QuadraticRegressor):
+            return
+        d = self.guide.state_dim
+        features = 1 + d + d * (d + 1) // 2
+        if self.num_regression_samples < 2 * features:
+            # Measured: at d = 10 (66 features) 64 samples give NaN and 128 a runaway theta.
+            warnings.warn(
+                f"num_regression_samples={self.num_regression_samples} is below twice the {features} quadratic features of a "
+                f"{d}-d state; the regressions (and online parameter learning) can diverge",
+                stacklevel=3,
+            )
 
     # --- public interface --------------------------------------------------------------------
     def init(self, *args, **kwargs) -> OnlineVariationalFilter:
-        """Starts a new stream: runs ``model.init(state, *args)`` and forgets everything carried."""
+        """Starts a new stream: runs ``model.init(state, *args)`` and forgets everything carried
+        (the model's parameter values are kept). Returns ``self``."""
         self.t = 0
-        self.elbo = torch.zeros(())
-        self.elbo_increment = torch.zeros(())
+        self.log_evidence = torch.zeros(())
+        self.log_evidence_increment = torch.zeros(())
         self._state: dict[str, Tensor] = {}
         self._previous = None  # the frozen q_{t-1}(x_{t-1})
         self._kernels: deque = deque(maxlen=self.window)
         self._value: Regressor | None = None
-        self._score: Regressor | None = None
-        self._grad_previous: Tensor | None = None
-        self._theta: dict[str, Tensor] | None = None
+        self._learner.reset()
         self._obs_shape: torch.Size | None = None
         self.last_increments: Tensor | None = None
-        with self._model_context():
+        with poutine.block(), module_context(self.model):
             self.model.init(self._state, *args, **kwargs)
         return self
 
-    def step(self, y: Tensor, *args, **kwargs) -> OnlineVariationalFilter:
+    def step(self, y: Tensor | None, *args, **kwargs) -> OnlineVariationalFilter:
         """Assimilates one observation ``y_t``: fits ``phi_t``, refits the regressors and, with
-        ``learn_parameters``, updates the model's parameters. An all-NaN ``y`` is a missing
-        measurement (a predict-only step). Returns ``self``."""
-        missing = self._check_observation(y)
-        snapshot = dict(vars(self.model))
-        site, x_prev, x_prior, prior_fn = self._discover(snapshot, y, args, kwargs)
+        ``learn_parameters``, updates the model's parameters.
+
+        Args:
+            y: the observation. ``None`` or all-NaN is a missing measurement (a predict-only
+                step: no observed site is scored); partly NaN or with an ``inf`` is an error.
+            *args, **kwargs: ``model.step``'s further arguments.
+
+        Returns:
+            ``self``.
+        """
+        missing = check_observation(y, f"step {self.t}", self._obs_shape)
+        if isinstance(y, Tensor) and self._obs_shape is None:
+            self._obs_shape = y.shape
+        context = StepContext(self.model, dict(vars(self.model)), self._state, self._previous, y, missing, self.t, args, kwargs, state_key=self._state_key)
+        context, prior = context.discover(self.num_regression_samples, self.guide.state_dim)
+        self._state_key = context.state_key
+        self._learner.track(prior.param_names)
         if self.initialize != "previous":
-            laplace = (snapshot, site, y, x_prev, args, kwargs) if self.initialize == "laplace" and not missing else None
-            self._predictive_init(x_prev, x_prior, prior_fn, laplace)
-        self._optimise(snapshot, site, y, missing, args, kwargs)
-        self._regress(snapshot, site, y, missing, args, kwargs)
+            initialise(self.guide, context, prior, laplace=self.initialize == "laplace" and not missing)
+        self._optimiser.fit(context, self._value)
+        self._assimilate(context)
         marginal, kernel = self.guide.freeze()
         if self.t > 0:
             self._kernels.append(kernel)
@@ -215,10 +244,40 @@ class OnlineVariationalFilter:
         return self
 
     def run(self, observations: Tensor, *args, **kwargs) -> OnlineVariationalFilter:
-        """Steps through the leading dimension of ``observations`` (``init`` is the caller's)."""
+        """``init(*args)`` then ``step(observations[t], *args)`` for every leading-dim slice, as
+        :meth:`pyro_smc.SMC.run` does. To continue a stream (e.g. after :meth:`load_state_dict`),
+        call :meth:`step` in a loop instead.
+
+        Args:
+            observations: tensor ``(T, ...)``; an all-NaN slice is a missing measurement.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: ``observations`` is not a tensor with a leading time dimension, or a slice
+                is partly NaN or has an ``inf`` (checked before anything runs).
+        """
+        if not isinstance(observations, Tensor):
+            raise ValueError(f"observations must be a tensor of shape (T, ...), got {type(observations).__name__}")
+        if observations.dim() == 0:
+            raise ValueError("observations must have a leading time dimension, got a scalar")
+        for t, y in enumerate(observations):
+            check_observation(y, f"step {t}", None)
+        self.init(*args, **kwargs)
         for y in tqdm(observations, desc="OnlineVariationalFilter", disable=not self.progress_bar, leave=False):
             self.step(y, *args, **kwargs)
         return self
+
+    @property
+    def elbo(self) -> Tensor:
+        """The running ELBO: the same number as :attr:`log_evidence`."""
+        return self.log_evidence
+
+    @property
+    def elbo_increment(self) -> Tensor:
+        """The same number as :attr:`log_evidence_increment`."""
+        return self.log_evidence_increment
 
     def filtering_distribution(self):
         """The (frozen) filtering marginal ``q_t(x_t)`` after the last step, event shape ``(d,)``."""
@@ -243,35 +302,25 @@ class OnlineVariationalFilter:
 
     def parameters(self) -> dict[str, Tensor]:
         """The model's current parameters (constrained values, detached)."""
-        if self._theta is None:
-            return {}
-        return {name: pyro.param(name).detach().clone() for name in self._theta}
+        return self._learner.parameters()
 
     # --- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the stream exactly: the step count and running ELBO, the
-        guide's parameters, the frozen previous marginal and kernel window, the regressors, the
-        carried state batch, the model's parameters (unconstrained) and plain attributes
-        (scalars such as a step counter, and cached tensors), and the torch RNG state. Adam's moments are not included: they
-        are reset at every step. Save it with ``torch.save``."""
-
-        def frozen(marginal):
-            if marginal is None:
-                return None
-            scale = marginal.scale_tril if hasattr(marginal, "scale_tril") else marginal.base_dist.scale
-            return {"loc": marginal.mean.clone(), "scale": scale.clone()}
-
+        """Everything needed to continue the stream exactly: the step count and running log-evidence
+        (under the keys ``"elbo"`` and ``"elbo_increment"``), the guide's parameters, the frozen
+        previous marginal and kernel window, the regressors, the carried state batch, the model's
+        parameters (unconstrained) and plain attributes (scalars such as a step counter, and
+        cached tensors), and the torch RNG state. Adam's moments are not included: they are reset
+        at every step. Save it with ``torch.save``."""
         return {
             "t": self.t,
-            "elbo": self.elbo.clone(),
-            "elbo_increment": self.elbo_increment.clone(),
+            "elbo": self.log_evidence.clone(),
+            "elbo_increment": self.log_evidence_increment.clone(),
             "guide": {k: v.detach().clone() for k, v in self.guide.state_dict().items()},
-            "previous": frozen(self._previous),
+            "previous": _marginal_state(self._previous),
             "kernels": [vars(k).copy() for k in self._kernels],
             "value": None if self._value is None else self._value.state_dict(),
-            "score": None if self._score is None else self._score.state_dict(),
-            "grad_previous": self._grad_previous,
-            "theta": None if self._theta is None else {name: leaf.detach().clone() for name, leaf in self._theta.items()},
+            **self._learner.state_dict(),
             "state": dict(self._state),
             "state_key": self._state_key,
             "obs_shape": self._obs_shape,
@@ -281,30 +330,19 @@ class OnlineVariationalFilter:
 
     def load_state_dict(self, state: dict[str, Any], restore_rng: bool = True) -> None:
         """Restores :meth:`state_dict` into a filter built with the same model class, guide
-        configuration and settings; with ``restore_rng`` the stream continues bit-identically."""
+        configuration and settings; with ``restore_rng`` the stream continues bit-identically
+        (continue it with :meth:`step`: :meth:`run` starts a new stream)."""
         self.t = int(state["t"])
-        self.elbo, self.elbo_increment = state["elbo"].clone(), state["elbo_increment"].clone()
+        self.log_evidence, self.log_evidence_increment = state["elbo"].clone(), state["elbo_increment"].clone()
         self.guide.load_state_dict(state["guide"])
         prev = state["previous"]
-        self._previous = None if prev is None else _gaussian(prev["loc"].clone(), prev["scale"].clone())
+        self._previous = None if prev is None else gaussian(prev["loc"].clone(), prev["scale"].clone())
         self._kernels = deque((GaussianKernel(**k) for k in state["kernels"]), maxlen=self.window)
-        self._value = self._restore(self._value_regressor, state["value"])
-        self._score = self._restore(self._score_regressor, state["score"])
-        self._grad_previous = state["grad_previous"]
-        self._theta = None
-        if state["theta"] is not None:
-            self._register_model_params()
-            self._theta = {}
-            for name, value in state["theta"].items():
-                if name not in pyro.get_param_store():
-                    raise ValueError(
-                        f"load_state_dict: parameter {name!r} is not in Pyro's param store; for a model that is not a "
-                        "PyroModule, restore the param store (pyro.get_param_store().set_state) first"
-                    )
-                leaf = pyro.param(name).unconstrained()
-                with torch.no_grad():
-                    leaf.copy_(value)
-                self._theta[name] = leaf
+        self._value = None
+        if state["value"] is not None:
+            self._value_regressor.load_state_dict(state["value"])
+            self._value = self._value_regressor
+        self._learner.load_state_dict(state, self.model)
         self._state = dict(state["state"])
         self._state_key = state["state_key"]
         self._obs_shape = state["obs_shape"]
@@ -312,213 +350,44 @@ class OnlineVariationalFilter:
         if restore_rng:
             set_rng_state(state)
 
-    def _register_model_params(self) -> None:
-        """Reads every ``PyroParam`` / ``nn.Parameter`` of a ``PyroModule`` model inside its context,
-        which puts it in the param store under the name the model's sites use."""
-        if not isinstance(self.model, PyroModule):
-            return
-        with self._model_context():
-            for module in self.model.modules():
-                if isinstance(module, PyroModule):
-                    for name in list(module._pyro_params) + [n for n, _ in module.named_parameters(recurse=False)]:
-                        getattr(module, name.removesuffix("_unconstrained"))
-
-    @staticmethod
-    def _restore(regressor: Regressor, state: dict | None) -> Regressor | None:
-        if state is None:
-            return None
-        regressor.load_state_dict(state)
-        return regressor
-
-    # --- internals ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _model_context(self):
-        # Block the model's sites from any enclosing handler; enter a PyroModule's context so its
-        # PyroParams resolve through the param store (as SMC does).
-        with poutine.block(), contextlib.ExitStack() as stack:
-            if isinstance(self.model, PyroModule):
-                stack.enter_context(self.model._pyro_context)
-            yield
-
-    def _check_observation(self, y: Tensor) -> bool:
-        where = f"step {self.t}"
-        if not isinstance(y, Tensor):
-            raise ValueError(f"observation at {where} must be a Tensor, got {type(y).__name__}")
-        if self._obs_shape is None:
-            self._obs_shape = y.shape
-        elif y.shape != self._obs_shape:
-            raise ValueError(f"observation at {where} has shape {tuple(y.shape)}, expected {tuple(self._obs_shape)}")
-        if not y.is_floating_point():
-            return False
-        nan = torch.isnan(y)
-        if bool(torch.isinf(y).any()):
-            raise ValueError(f"observation at {where} contains inf")
-        if bool(nan.any()) and not bool(nan.all()):
-            raise ValueError(f"observation at {where} is partly NaN; only a wholly missing (all-NaN) observation is supported")
-        return bool(nan.all()) and y.numel() > 0
-
-    def _run_model(self, snapshot: dict, x_prev: Tensor | None, condition: dict, y, args, kwargs):
-        vars(self.model).update(snapshot)
-        state = dict(self._state)
-        if x_prev is not None:
-            state[self._state_key] = x_prev
-        with self._model_context():
-            model = poutine.condition(self.model.step, data=condition) if condition else self.model.step
-            trace = poutine.trace(model).get_trace(state, y, *args, **kwargs)
-        return trace, state
-
-    def _discover(self, snapshot: dict, y, args, kwargs):
-        """One plain run of ``model.step`` from ``q_{t-1}`` samples: finds the latent site, the state
-        entry holding it and the model's parameters, and returns prior draws of ``x_t``."""
-        n = self.num_regression_samples
-        x_prev = None if self._previous is None else self._previous.sample((n,))
-        trace, state = self._run_model(snapshot, x_prev, {}, y, args, kwargs)
-        latent = [
-            name for name, s in trace.nodes.items() if s["type"] == "sample" and not s["is_observed"] and not site_is_subsample(s)
-        ]
-        if len(latent) != 1:
-            raise ValueError(f"model.step at step {self.t} must sample exactly one latent site, got {latent}")
-        site = trace.nodes[latent[0]]
-        value, d = site["value"], self.guide.state_dim
-        if value.shape[-1:] != (d,) or value.dim() > 2:
-            raise ValueError(f"latent site '{latent[0]}' at step {self.t} has shape {tuple(value.shape)}; the guide's state_dim is {d}")
-        if self._state_key is None:
-            keys = [k for k, v in state.items() if v is value]
-            if len(keys) != 1:
-                raise ValueError(f"could not find the state entry holding '{latent[0]}'; pass state_key= to OnlineVariationalFilter")
-            self._state_key = keys[0]
-        names = [name for name, s in trace.nodes.items() if s["type"] == "param"]
-        if self._theta is None or not set(names) <= set(self._theta):
-            # A parameter first read at this step (e.g. the transition's, unused at t = 0):
-            # extend theta and restart the score recursion, whose vectors change length.
-            theta = dict(self._theta or {})
-            theta.update({name: pyro.param(name).unconstrained() for name in names if name not in theta})
-            self._theta = theta
-            self._score, self._grad_previous = None, None
-        return latent[0], x_prev, value.reshape(-1, d), site["fn"]
-
-    @torch.no_grad()
-    def _predictive_init(self, x_prev: Tensor | None, x_prior: Tensor, prior_fn, laplace: tuple | None) -> None:
-        """``q_t`` at the one-step prediction (law of total covariance over the ``q_{t-1}`` draws),
-        then, with ``laplace``, up to five Newton steps on ``log g(y_t | x_t)``; the kernel at the linear
-        regression of ``x_{t-1}`` on ``x_t`` under the prediction (which does not depend on ``y_t``)."""
-        d = self.guide.state_dim
-        try:
-            mean = prior_fn.mean.expand(x_prior.shape[:-1] + (d,)).reshape(-1, d)
-            var = prior_fn.covariance_matrix if hasattr(prior_fn, "covariance_matrix") else torch.diag_embed(prior_fn.variance)
-            within = var.expand(mean.shape[:-1] + (d, d)).mean(0)
-        except (NotImplementedError, AttributeError):
-            mean, within = x_prior, torch.zeros(d, d, dtype=x_prior.dtype, device=x_prior.device)
-        m = mean.mean(0)
-        centred = mean - m
-        cov = within + centred.T @ centred / max(len(mean), 1)
-        cov = jittered(cov)
-        if laplace is not None:
-            m, cov = self._newton_update(m, cov, *laplace)
-        self.guide.set_marginal(m, cov)
-        if x_prev is not None:
-            self.guide.set_kernel(*regression_kernel(x_prior, x_prev))
-
-    def _newton_update(self, m: Tensor, cov: Tensor, snapshot, site, y, x_prev, args, kwargs) -> tuple[Tensor, Tensor]:
-        """The Laplace approximation of ``N(x; m, cov) g(y_t | x)`` (:func:`pyro_smc.ops.laplace.laplace_newton`)."""
-        prev = None if x_prev is None else x_prev[:1]
-
-        def log_g(x):
-            trace, _ = self._run_model(snapshot, prev, {site: x.unsqueeze(0)}, y, args, kwargs)
-            return self._log_density(trace, site, False, 1, x, observed_only=True).sum()
-
-        return laplace_newton(log_g, m, cov, _NEWTON_STEPS)
-
-    def _log_density(self, trace, site: str, missing: bool, n: int, like: Tensor, observed_only: bool = False) -> Tensor:
-        """``log f + log g`` per sample from a conditioned trace (``log g`` alone with ``observed_only``)."""
-        total = like.new_zeros(n)
-        for name, s in trace.nodes.items():
-            if s["type"] != "sample" or site_is_subsample(s):
-                continue
-            if name != site and s["is_observed"] and missing:
-                continue  # a missing measurement: predict-only
-            if observed_only and (name == site or not s["is_observed"]):
-                continue
-            log_p = scale_and_mask(s["fn"].log_prob(s["value"], *s["args"], **s["kwargs"]), s["scale"], s["mask"])
-            log_p = torch.as_tensor(log_p, dtype=like.dtype, device=like.device)
-            if log_p.dim() and log_p.shape[0] == n:
-                log_p = log_p.reshape(n, -1).sum(-1)
-            else:
-                log_p = log_p.sum().expand(n)
-            total = total + log_p
-        return total
-
-    def _increment(self, snapshot, site, y, missing, x_prev, x_t, args, kwargs, marginal, kernel_dist) -> tuple[Tensor, dict]:
-        """``delta`` per sample (and the state after the step)."""
-        trace, state = self._run_model(snapshot, x_prev, {site: x_t}, y, args, kwargs)
-        log_joint = self._log_density(trace, site, missing, x_t.shape[0], x_t)
-        delta = log_joint - marginal.log_prob(x_t)
-        if x_prev is not None:
-            delta = delta + self._previous.log_prob(x_prev) - kernel_dist.log_prob(x_prev)
-        return delta, state
-
-    def _draw(self, n: int, reparameterise: bool):
-        marginal = self.guide.filtering_distribution()
-        x_t = marginal.rsample((n,)) if reparameterise else marginal.sample((n,))
-        if self._previous is None:
-            return marginal, x_t, None, None
-        kernel_dist = self.guide.backward_distribution(x_t)
-        x_prev = kernel_dist.rsample() if reparameterise else kernel_dist.sample()
-        return marginal, x_t, kernel_dist, x_prev
-
-    def _optimise(self, snapshot, site, y, missing, args, kwargs) -> None:
-        params = [p for p in self.guide.parameters() if p.requires_grad]
-        self._optim.state.clear()  # per-step Adam moments: nothing from earlier steps is carried
-        # The first step starts from the prior, far from the posterior; later ones start at the
-        # prediction. The rate decays tenfold within a step to damp the Monte Carlo noise.
-        lr = self.initial_lr if self.t == 0 else self.lr
-        n = self.num_iterations
-        for i in range(n):
-            for group in self._optim.param_groups:
-                group["lr"] = lr * 0.1 ** (i / n)
-            marginal, x_t, kernel_dist, x_prev = self._draw(self.num_samples, reparameterise=True)
-            delta, _ = self._increment(snapshot, site, y, missing, x_prev, x_t, args, kwargs, marginal, kernel_dist)
-            objective = delta if x_prev is None else delta + self._value(x_prev).reshape(-1)
-            grads = torch.autograd.grad(-objective.mean(), params, allow_unused=True)
-            for p, g in zip(params, grads):
-                p.grad = None if g is None else g
-            self._optim.step()
-
-    def _regress(self, snapshot, site, y, missing, args, kwargs) -> None:
+    # --- one step's regression ---------------------------------------------------------------
+    def _assimilate(self, context: StepContext) -> None:
+        """The step's Monte Carlo estimate on fresh draws: ``log_evidence``, the value regression
+        ``U_t`` and, with ``learn_parameters``, the parameter update; carries the state batch on."""
         with torch.no_grad():
-            marginal, x_t, kernel_dist, x_prev = self._draw(self.num_regression_samples, reparameterise=False)
-        learn = self.learn_parameters and bool(self._theta)
+            pairs = draw(self.guide, context, self.num_regression_samples, reparameterise=False)
+        learn = self.learn_parameters and bool(self._learner.theta)
         with torch.set_grad_enabled(learn):
-            delta, state = self._increment(snapshot, site, y, missing, x_prev, x_t, args, kwargs, marginal, kernel_dist)
-        past = 0.0 if x_prev is None else self._value(x_prev).reshape(-1)
+            delta, state = increment(context, pairs)
+        past = 0.0 if pairs.x_prev is None else self._value(pairs.x_prev).reshape(-1)
         increments = delta.detach()
         targets = past + increments
         self.last_increments = increments
-        elbo = targets.mean()
-        self.elbo_increment = elbo - self.elbo
-        self.elbo = elbo
-        self._value = self._value_regressor.fit(x_t, targets)
+        estimate = targets.mean()
+        self.log_evidence_increment = estimate - self.log_evidence
+        self.log_evidence = estimate
+        self._value = self._value_regressor.fit(pairs.x_t, targets)
         if learn:
-            self._learn(delta, x_t, x_prev)
-        state = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in state.items()}
-        self._state = state
+            self._learner.update(delta, pairs.x_t, pairs.x_prev, self.t)
+        self._state = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in state.items()}
 
-    def _learn(self, delta: Tensor, x_t: Tensor, x_prev: Tensor | None) -> None:
-        """Per-sample scores by one batched backward pass, the score regression, then
-        ``theta <- theta + eta_t (G_t - G_{t-1})``."""
-        leaves = [self._theta[name] for name in self._theta]
-        # Only log f + log g depend on theta, so the per-sample gradient of delta is the score s_t.
-        scores = per_sample_gradients(delta, leaves)
-        if x_prev is not None and self._score is not None:
-            scores = scores + self._score(x_prev)
-        self._score = self._score_regressor.fit(x_t, scores)
-        grad = self._score(x_t).mean(0)
-        step = grad if self._grad_previous is None else grad - self._grad_previous
-        self._grad_previous = grad
-        eta = self.parameter_schedule(self.t)
-        with torch.no_grad():
-            offset = 0
-            for leaf in leaves:
-                size = leaf.numel()
-                leaf.add_(eta * step[offset : offset + size].reshape(leaf.shape))
-                offset += size
+    # --- read-only views of the parts, for tests and benchmarks -------------------------------
+    @property
+    def _optim(self) -> torch.optim.Optimizer:
+        return self._optimiser.optim
+
+    @property
+    def _theta(self) -> dict[str, Tensor] | None:
+        return self._learner.theta
+
+    @property
+    def _grad_previous(self) -> Tensor | None:
+        return self._learner.grad_previous
+
+
+def _marginal_state(marginal) -> dict[str, Tensor] | None:
+    """A frozen marginal as ``{"loc", "scale"}`` (standard deviations or a Cholesky factor)."""
+    if marginal is None:
+        return None
+    scale = marginal.scale_tril if hasattr(marginal, "scale_tril") else marginal.base_dist.scale
+    return {"loc": marginal.mean.clone(), "scale": scale.clone()}

@@ -101,3 +101,23 @@ def test_mlp_kernel_starts_linear_and_samples():
     torch.testing.assert_close(d.mean, torch.zeros(5, 3))
     with pytest.raises(NotImplementedError):
         guide.joint_distribution()
+
+
+def test_the_two_roles_share_one_family():
+    from pyro_smc.guides import StreamingFamily
+
+    online = StreamingFilterGuide(2, covariance="full").double()
+    assert isinstance(online, StreamingFamily) and online.online and online.num_kernels == 1
+    ssm = _ssm()
+    _, ys = ssm.simulate(4, generator=torch.Generator().manual_seed(3))
+    offline = StreamingFilterGuide(2, _trajectory_model(ssm), covariance="full").double()
+    assert offline.online
+    offline(ys)  # the first call as a Pyro guide sizes the kernels from the model's trace
+    assert not offline.online and offline.num_steps == 4 and offline.num_kernels == 3
+    # The family alone is the per-step role: the same parameters, no Pyro-guide forward.
+    family = StreamingFamily(2, covariance="full").double()
+    assert [n for n, _ in family.named_parameters()] == [n for n, _ in online.named_parameters()]
+    family.load_state_dict(online.state_dict())
+    torch.testing.assert_close(family.filtering_distribution().mean, online.filtering_distribution().mean)
+    with pytest.raises(ValueError, match="num_kernels"):
+        StreamingFamily(2, num_kernels=-1)

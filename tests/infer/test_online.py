@@ -269,14 +269,16 @@ def test_state_dict_resume_is_bit_identical(learn, tmp_path):
     vf = build()
     vf.run(ys[:6])
     torch.save(vf.state_dict(), tmp_path / "ckpt.pt")
-    vf.run(ys[6:])
+    for y in ys[6:]:  # continue the stream (run would start a new one)
+        vf.step(y)
     expected = (vf.elbo, vf.filtering_distribution().mean, vf.parameters(), vf.smoothing_samples(4))
 
     torch.manual_seed(123)  # the checkpoint's RNG state must win
     resumed = build()
     resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
     assert resumed.t == 6
-    resumed.run(ys[6:])
+    for y in ys[6:]:
+        resumed.step(y)
     got = (resumed.elbo, resumed.filtering_distribution().mean, resumed.parameters(), resumed.smoothing_samples(4))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and torch.equal(got[3], expected[3])
     assert got[2].keys() == expected[2].keys() and all(torch.equal(got[2][k], expected[2][k]) for k in got[2])
@@ -298,3 +300,59 @@ def test_per_sample_gradients_match_a_loop(n):
 def test_too_few_regression_samples_warn():
     with pytest.warns(UserWarning, match="quadratic features"):
         OnlineVariationalFilter(_ssm(), StreamingFilterGuide(3), num_regression_samples=8)
+
+
+@pytest.mark.parametrize("missing_steps", [(3,), (0, 3)])
+def test_a_none_observation_is_predict_only(missing_steps):
+    """step(None) is the same predict-only step as an all-NaN observation, also at t = 0."""
+    ssm = _ssm()
+    _, ys = ssm.simulate(6, generator=torch.Generator().manual_seed(1))
+    for t in missing_steps:
+        ys[t] = float("nan")
+    kf = _exact_filter(ssm, ys)
+    guide = StreamingFilterGuide(3, covariance="full")
+    vf = OnlineVariationalFilter(ssm, guide, num_iterations=0, initialize="previous", num_regression_samples=64)
+    for t, y in enumerate(ys):
+        _plug_kalman(guide, kf, ssm.A, t)
+        vf.step(None if t in missing_steps else y)
+        torch.testing.assert_close(vf.last_increments, kf.log_likelihoods[t].expand(64), rtol=0, atol=1e-10)
+    torch.testing.assert_close(vf.log_evidence, kf.log_likelihoods.sum(), rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="step 6.*Tensor or None"):
+        vf.step([0.0, 0.0])
+
+
+def test_run_is_init_then_steps_and_log_evidence_is_the_elbo():
+    ssm = _ssm()
+    _, ys = ssm.simulate(4, generator=torch.Generator().manual_seed(5))
+
+    def build():
+        return OnlineVariationalFilter(ssm, StreamingFilterGuide(3).double(), num_iterations=2, num_regression_samples=32)
+
+    torch.manual_seed(0)
+    stepped = build().init()
+    for y in ys:
+        stepped.step(y)
+    torch.manual_seed(0)
+    ran = build().run(ys)
+    assert torch.equal(ran.log_evidence, stepped.log_evidence)
+    assert ran.run(ys[:2]).t == 2  # a second run starts a new stream
+    assert ran.elbo is ran.log_evidence and ran.elbo_increment is ran.log_evidence_increment
+    assert torch.isfinite(ran.log_evidence)
+    bad = ys.clone()
+    bad[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="step 2.*partly NaN"):
+        ran.run(bad)
+    assert ran.t == 2  # checked before anything ran
+    with pytest.raises(ValueError, match="observations"):
+        ran.run(torch.tensor(1.0))
+
+
+def test_a_bare_streaming_family_is_an_online_guide():
+    from pyro_smc.guides import StreamingFamily
+
+    ssm = _ssm()
+    _, ys = ssm.simulate(3, generator=torch.Generator().manual_seed(6))
+    vf = OnlineVariationalFilter(ssm, StreamingFamily(3, covariance="full").double(), num_iterations=1, num_regression_samples=64)
+    assert vf.run(ys).smoothing_samples(4).shape == (4, 3, 3)
+    with pytest.raises(ValueError, match="online mode"):
+        OnlineVariationalFilter(ssm, StreamingFamily(3, num_kernels=2))
