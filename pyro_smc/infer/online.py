@@ -381,6 +381,10 @@ class OnlineVariationalFilter:
         return self._learner.theta
 
     @property
+    def _score(self) -> Regressor | None:
+        return self._learner.score
+
+    @property
     def _grad_previous(self) -> Tensor | None:
         return self._learner.grad_previous
 
