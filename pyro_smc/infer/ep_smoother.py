@@ -1,5 +1,7 @@
 r"""Iterated expectation-propagation smoothing for nonlinear Gaussian state-space models.
 
+See ``docs/math/ep.md#expectation-propagation`` and ``docs/math/ep.md#the-iteration``.
+
 The posterior marginal of each state is a product of three Gaussian messages,
 ``q(x_t) = q_fwd(x_t) q_meas(x_t) q_bwd(x_t)``, stored in natural form ``(eta, Lambda)``
 (Deisenroth and Mohamed, 2012). An EP update of message ``i`` removes it

@@ -1,5 +1,7 @@
 r"""Assumed-density Gaussian filters and Rauch-Tung-Striebel smoothers for nonlinear models.
 
+See ``docs/math/ep.md#gaussian-filter`` and ``docs/math/ep.md#rts-smoother``.
+
 One filter and one smoother, parameterised by the projection (a
 :class:`~pyro_smc.infer.projections.Projection`, or its name): with :class:`Linearization` they
 are the extended Kalman filter and smoother (EKF/EKS; GP-EKF/GP-EKS for GP components), with

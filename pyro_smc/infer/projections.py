@@ -1,5 +1,7 @@
 r"""Gaussian projections: the moments of ``a = f(x, t) + noise`` for ``x ~ N(m, P)``.
 
+See ``docs/math/ep.md#gaussian-projections``.
+
 Every Gaussian filter, smoother and EP update in pyro_smc reduces a nonlinear map to three
 moments, the mean ``mu_a``, covariance ``S_a`` and input-output covariance ``C = Cov[x, a]``
 of ``a`` under a Gaussian ``x``, and then treats the map as the implicit linear model

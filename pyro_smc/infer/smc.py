@@ -1,5 +1,8 @@
 """Differentiable sequential Monte Carlo: the successor of ``pyro.infer.SMCFilter``.
 
+See ``docs/math/smc.md#one-step-of-the-filter`` and ``docs/math/smc.md#log-evidence-estimate`` and
+``docs/math/smc.md#effective-sample-size-and-adaptive-resampling``.
+
 A model is an object with ``init(state, *args)`` and ``step(state, *args)`` methods that call
 ``pyro.sample``; ``state`` is a dict of tensors whose leading dimensions are the particle
 dimensions, written only by the model. A guide (proposal) has the same methods, reads ``state``
@@ -65,6 +68,7 @@ from torch.distributions import Distribution
 from torch.distributions.utils import lazy_property
 
 from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
+from pyro_smc.ops.results import SMCResult
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
@@ -191,6 +195,9 @@ class SMC:
         self._means: dict[str, list[Tensor]] = {}
         self._ess_history: list[Tensor] = []
         self._resampled: list[Tensor] = []
+        self._increments: list[Tensor] = []
+        # log p_hat of the scoring since the last recorded step (an init's term joins step 0).
+        self._unrecorded_increment: Tensor | None = None
         self._warned_sites: set[str] = set()
         mpn = self.max_plate_nesting
         self._plates = [pyro.plate("particles", self.num_particles, dim=-1 - mpn)]
@@ -266,6 +273,36 @@ class SMC:
         return torch.stack(self._resampled)
 
     @property
+    def log_evidence_increments(self) -> Tensor:
+        """``(T, B)``: ``log p_hat(y_t | y_{1:t-1})`` per step; their sum over ``T`` is ``log_evidence``."""
+        return torch.stack(self._increments)
+
+    @property
+    def result(self) -> SMCResult:
+        """A snapshot of the run so far as an :class:`~pyro_smc.ops.results.SMCResult`.
+
+        Example:
+            >>> import torch
+            >>> from pyro_smc import SMC
+            >>> from pyro_smc.models import LinearGaussianSSM
+            >>> eye = torch.eye(2)
+            >>> _, ys = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye).simulate(5)
+            >>> out = SMC(LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye), num_particles=10).run(ys).result
+            >>> out.log_evidence_increments.shape, out.ess.shape
+            (torch.Size([5, 1]), torch.Size([5, 1]))
+        """
+        if not self._ess_history:
+            raise RuntimeError("SMC has not taken a step; call run(observations) or init() and step()")
+        return SMCResult(
+            log_evidence=self.log_evidence,
+            log_evidence_increments=self.log_evidence_increments,
+            filtering_means=self.filtering_means,
+            ess=self.ess_history,
+            resampled=self.resampled,
+            resampler_converged=None,
+        )
+
+    @property
     def weighted_particles(self) -> tuple[dict[str, Tensor], Tensor]:
         """The particles and normalised log-weights ``(B, N)`` after the last reweighting, before any
         resampling. For posterior summaries prefer these to ``state``: resampling only adds noise,
@@ -303,6 +340,8 @@ class SMC:
             "weighted": None if self._weighted is None else ({k: v.detach().clone() for k, v in self._weighted[0].items()}, detached(self._weighted[1])),
             "means": {k: [v.detach().clone() for v in values] for k, values in self._means.items()},
             "ess_history": [v.clone() for v in self._ess_history],
+            "increments": [v.detach().clone() for v in self._increments],
+            "unrecorded_increment": detached(self._unrecorded_increment),
             "resampled": [v.clone() for v in self._resampled],
             "model_attributes": plain_attributes(self.model),
             "guide_attributes": plain_attributes(self.guide),
@@ -321,6 +360,9 @@ class SMC:
         self._weighted = state.get("weighted")
         self._means = {k: list(v) for k, v in state["means"].items()}
         self._ess_history = list(state["ess_history"])
+        # Checkpoints written before the increments were recorded resume without their history.
+        self._increments = list(state.get("increments", []))
+        self._unrecorded_increment = state.get("unrecorded_increment")
         self._resampled = list(state["resampled"])
         restore_attributes(self.model, state["model_attributes"])
         restore_attributes(self.guide, state["guide_attributes"])
@@ -366,7 +408,10 @@ class SMC:
         if not bool(torch.isfinite(log_norm).all()):
             raise self._failure(terms, where)
         self.log_weights = joint - log_norm.unsqueeze(-1)
-        self.log_evidence = self.log_evidence + (log_norm + offset)
+        increment = log_norm + offset
+        self.log_evidence = self.log_evidence + increment
+        pending = self._unrecorded_increment
+        self._unrecorded_increment = increment if pending is None else pending + increment
         self._record(where)
 
     def _centred_increment(self, terms: list[tuple[str, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -521,6 +566,9 @@ class SMC:
                     mean = (w.unsqueeze(-2) @ flat.to(w.dtype)).squeeze(-2)
                     self._means.setdefault(key, []).append(mean.reshape((self.num_filters,) + value.shape[2:]))
             self._ess_history.append(ess)
+            pending = self._unrecorded_increment
+            self._increments.append(torch.zeros_like(self.log_evidence) if pending is None else pending)
+            self._unrecorded_increment = None
         # References, not copies: resampling replaces the state tensors instead of mutating them.
         self._weighted = (dict(self.state), log_w)
         need = ess < self.ess_threshold * self.num_particles

@@ -1,5 +1,7 @@
 """``SMCELBO``: minus the particle filter's log-evidence estimate as a Pyro SVI loss.
 
+See ``docs/math/smc.md#training-objectives``.
+
 ``log Z_hat`` from :class:`~pyro_smc.SMC` lower-bounds ``log p(y)`` in expectation (for unbiased
 resamplers; with optimal-transport resampling the bias is small and the gradient smooth). Its
 mean over ``num_filters`` independent filters is an objective for the model's parameters

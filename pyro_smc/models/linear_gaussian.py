@@ -1,5 +1,7 @@
 """Linear-Gaussian state-space model: a runnable Pyro model and its exact Kalman oracle.
 
+See ``docs/math/ep.md#kalman-filter``.
+
 ``x_1 ~ N(init_mean, init_cov)``, ``x_t = A x_{t-1} + N(0, Q)``, ``y_t = C x_t + N(0, R)``.
 The model follows the ``init``/``step`` protocol of :class:`pyro_smc.SMC` (and of
 ``pyro.infer.SMCFilter``): ``step(state, y)`` samples the latent site ``f"x_{t}"`` and observes

@@ -1,6 +1,8 @@
 """Nonlinear state-space model with additive Gaussian noise; dynamics and measurements are
 known functions or Gaussian processes.
 
+See ``docs/math/ep.md#model``.
+
 ``x_0 ~ N(init_mean, init_cov)``, ``x_{t+1} = f(x_t, t) + w_t``, ``w_t ~ N(0, Q)``,
 ``y_t = g(x_t, t) + v_t``, ``v_t ~ N(0, R)``, with ``t`` the 0-based time index (``f(x, t)`` maps
 the state at ``t`` to the mean at ``t + 1``). ``f`` and ``g`` are callables ``f(x)`` or

@@ -1,5 +1,7 @@
 r"""The state-space-model protocols every engine reads, and the rule for missing observations.
 
+See ``docs/math/smc.md#state-space-model-and-proposal`` and ``docs/math/ep.md#model``.
+
 :class:`StateSpaceModel` is what :class:`~pyro_smc.SMC` and
 :class:`~pyro_smc.OnlineVariationalFilter` run: a Pyro program in the ``init``/``step`` protocol
 with its dimensions and a simulator. :class:`GaussianStateSpaceModel` adds what the Gaussian

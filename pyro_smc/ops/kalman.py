@@ -1,5 +1,7 @@
 """Kalman filter, Rauch-Tung-Striebel smoother and the exact log-evidence.
 
+See ``docs/math/ep.md#kalman-filter`` and ``docs/math/ep.md#missing-observations``.
+
 The model is ``x_1 ~ N(m_1, P_1)``, ``x_t = A x_{t-1} + w_t``, ``w_t ~ N(0, Q)``,
 ``y_t = C x_t + v_t``, ``v_t ~ N(0, R)``. Each step is a pure function; :func:`kalman_filter` and
 :func:`rts_smoother` are drivers. Everything is differentiable, so ``torch.autograd`` on

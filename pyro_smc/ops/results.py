@@ -20,7 +20,10 @@ Conventions every result type here keeps:
   without an observation contributes 0.
 * Old names stay as properties that emit a ``FutureWarning`` naming the new one.
 
-The SMC and online-filter results belong in this module too; the ones above are the Gaussian side.
+The Gaussian side (:class:`FilterResult`, :class:`SmootherResult`, :class:`GaussianSmootherResult`)
+comes from functions; the engines that are objects stepping through a stream (``SMC``, the online
+filter) keep their running state as attributes and hand out a snapshot of it as
+:class:`SMCResult` / :class:`OnlineFilterResult` from their ``result`` property.
 
 Example:
     >>> import torch
@@ -35,11 +38,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from torch import Tensor
 
-__all__ = ["EPIteration", "FilterResult", "GaussianSmootherResult", "SmootherResult"]
+__all__ = ["EPIteration", "FilterResult", "GaussianSmootherResult", "OnlineFilterResult", "SMCResult", "SmootherResult"]
 
 
 def _renamed(old: str, new: str) -> None:
@@ -133,3 +136,46 @@ class GaussianSmootherResult:
         """Deprecated name of :attr:`log_evidence`."""
         _renamed("GaussianSmootherResult.log_likelihood", "GaussianSmootherResult.log_evidence")
         return self.log_evidence
+
+
+class SMCResult(NamedTuple):
+    """A snapshot of a particle filter run over ``T`` steps with ``B`` independent filters.
+
+    The tensors keep their autograd graph (``log_evidence`` and the means are differentiable under a
+    differentiable resampler); ``ess`` and the flags are detached diagnostics.
+
+    Attributes:
+        log_evidence: ``(B,)`` ``log Z_hat``; ``exp(log_evidence)`` is unbiased for the evidence.
+        log_evidence_increments: ``(T, B)`` ``log p_hat(y_t | y_{1:t-1})`` per step (an ``init``
+            that scores sites adds its term to the first step); 0 at a predict-only step.
+        filtering_means: ``{key: (T, B, *event)}`` weighted means of each floating state entry,
+            taken before resampling.
+        ess: ``(T, B)`` effective sample size after each step's reweighting, in ``[1, N]``.
+        resampled: ``(T, B)`` bool, whether each filter resampled at each step.
+        resampler_converged: ``(T, B)`` bool: whether the resampler's inner solve (Sinkhorn for
+            optimal-transport resampling) converged at each step; ``True`` where nothing was
+            solved. ``None`` for resamplers that solve nothing.
+    """
+
+    log_evidence: Tensor
+    log_evidence_increments: Tensor
+    filtering_means: dict
+    ess: Tensor
+    resampled: Tensor
+    resampler_converged: Optional[Tensor] = None
+
+
+class OnlineFilterResult(NamedTuple):
+    """A snapshot of a streaming variational filter after ``T`` steps, state dimension ``d``.
+
+    Attributes:
+        log_evidence: scalar, the running ELBO: a lower bound on ``log p(y_{1:T})``.
+        log_evidence_increments: ``(T,)`` its per-step terms.
+        means: ``(T, d)`` means of the filtering marginals ``q_t(x_t)``.
+        covariances: ``(T, d, d)`` their covariances.
+    """
+
+    log_evidence: Tensor
+    log_evidence_increments: Tensor
+    means: Tensor
+    covariances: Tensor

@@ -469,3 +469,16 @@ def test_none_or_all_nan_observation_leaves_weights_and_evidence_unchanged():
     guided.init()
     guided.step(None)
     assert calls == []
+
+
+def test_result_snapshot_splits_the_evidence_into_per_step_increments():
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(8)
+    ys[3] = math.nan
+    out = SMC(ssm, num_particles=30, num_filters=3).run(ys).result
+    assert out.log_evidence_increments.shape == out.ess.shape == out.resampled.shape == (8, 3)
+    torch.testing.assert_close(out.log_evidence_increments.sum(0), out.log_evidence)
+    assert bool((out.log_evidence_increments[3] == 0).all())  # predict-only step
+    assert out.filtering_means["x"].shape == (8, 3, 2)
+    with pytest.raises(RuntimeError, match="step"):
+        SMC(ssm, num_particles=3).result
