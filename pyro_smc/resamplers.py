@@ -15,7 +15,8 @@ its leading dimensions are independent filters. Each state tensor has shape
 * :class:`OTResampler`: the differentiable ensemble transform of Corenflos et al. (2021), an
   entropy-regularised optimal-transport map that is smooth in particles and weights. Integer
   state (e.g. a regime label) is not averaged: it comes from one ancestor per new particle,
-  drawn from that particle's row of the transport plan.
+  drawn from that particle's row of the transport plan. After each call its ``last_result``
+  holds the Sinkhorn solve's diagnostics (whether each filter's transport converged).
 
 Example:
     >>> import torch
@@ -25,6 +26,10 @@ Example:
     >>> new, new_log_w = OTResampler(epsilon=0.5)(particles, log_w)
     >>> new["x"].shape, bool(torch.allclose(new_log_w.exp().sum(-1), torch.ones(4)))
     (torch.Size([4, 100, 2]), True)
+    >>> resampler = OTResampler(epsilon=0.5)
+    >>> _ = resampler(particles, log_w)
+    >>> resampler.last_result.converged.shape, resampler.last_result.num_iterations.dtype
+    (torch.Size([4]), torch.int64)
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from torch import Tensor
 
 from pyro_smc.ops import resample as _resample
 from pyro_smc.ops.ensemble import ensemble_transform
-from pyro_smc.ops.sinkhorn import GRADIENT_MODES
+from pyro_smc.ops.sinkhorn import GRADIENT_MODES, SinkhornResult, record_results
 
 __all__ = [
     "Resampler",
@@ -166,6 +171,16 @@ class OTResampler(Resampler):
         threshold: stop once the L1 marginal error of the plan is below this.
         max_iter: maximum Sinkhorn iterations at the final epsilon.
         gradient: ``"implicit"`` (exact, default), ``"unroll"`` or ``"last_step"`` (approximate).
+
+    Attributes:
+        last_result: the :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` of the last call's
+            Sinkhorn solve (``None`` before the first call), all of it detached. With
+            ``batch = log_weights.shape[:-1]`` (the filters of that call): ``converged``
+            ``batch`` bool, whether the plan met ``threshold`` within ``max_iter`` (the solver
+            also warns, :class:`~pyro_smc.ops.sinkhorn.SinkhornConvergenceWarning`);
+            ``num_iterations`` ``batch`` int64; ``marginal_error`` ``batch`` in the dtype of
+            ``log_weights``; ``f`` and ``g`` the potentials, ``batch + (N,)``. Diagnostics
+            only: the call's outputs do not depend on whether anyone reads them.
     """
 
     def __init__(self, epsilon: float = 0.5, scaling: float = 0.75, threshold: float = 1e-3, max_iter: int = 100, gradient: str = "implicit"):
@@ -184,6 +199,12 @@ class OTResampler(Resampler):
         self.threshold = float(threshold)
         self.max_iter = int(max_iter)
         self.gradient = gradient
+        self._last_result: SinkhornResult | None = None
+
+    @property
+    def last_result(self) -> SinkhornResult | None:
+        """Diagnostics of the last call's Sinkhorn solve (see the class docstring)."""
+        return self._last_result
 
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
         _check_particles(particles, log_weights)
@@ -194,7 +215,10 @@ class OTResampler(Resampler):
         flat = [v.reshape(batch + (-1,)) for v in floats.values()]
         x = torch.cat(flat, -1) if len(flat) > 1 else flat[0]
         x = x.to(log_weights.dtype) if x.dtype != log_weights.dtype else x
-        x_new, plan = ensemble_transform(x, log_weights, self.epsilon, self.scaling, self.threshold, self.max_iter, self.gradient)
+        self._last_result = None
+        with record_results() as results:
+            x_new, plan = ensemble_transform(x, log_weights, self.epsilon, self.scaling, self.threshold, self.max_iter, self.gradient)
+        self._last_result = results[-1]
         out, start = {}, 0
         for (key, value), piece in zip(floats.items(), flat):
             width = piece.shape[-1]

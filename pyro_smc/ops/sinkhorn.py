@@ -50,12 +50,23 @@ particles' weights are near zero):
 * the solver warns (:class:`SinkhornConvergenceWarning`) when a problem ends at ``max_iter``
   above ``threshold``, and the adjoint solve checks its own residual before its answer is used.
 
+How each solve ended is not lost: :func:`sinkhorn_solve` returns a :class:`SinkhornResult`, the
+potentials (with the gradient path of the chosen mode) and per-problem detached diagnostics
+(``converged``, ``num_iterations``, ``marginal_error``); :func:`sinkhorn` returns the potentials
+alone. Callers of ops built on the solver read its results with :func:`record_results`.
+
+The pieces live in their own modules, in the spirit of OTT-JAX's problem / solver / output
+split: :mod:`~pyro_smc.ops.sinkhorn_kernel` (stabilised-kernel building blocks),
+:mod:`~pyro_smc.ops.sinkhorn_solver` (the forward solver, its stages and the result type) and
+:mod:`~pyro_smc.ops.sinkhorn_unrolled` (the ``"unroll"`` mode). This module holds the entry
+points and the implicit differentiation, and re-exports the helpers other modules import.
+
 The differentiable ensemble transform (Corenflos et al., 2021) built on it is
 :func:`pyro_smc.ops.ensemble.ensemble_transform`.
 
 Example:
     >>> import math, torch
-    >>> from pyro_smc.ops.sinkhorn import sinkhorn, squared_distances, transport_plan
+    >>> from pyro_smc.ops.sinkhorn import sinkhorn, sinkhorn_solve, squared_distances, transport_plan
     >>> x = torch.randn(3, 5, 2, dtype=torch.float64)           # 3 problems, 5 points each
     >>> cost = squared_distances(x, x)
     >>> log_a = torch.full((3, 5), -math.log(5), dtype=torch.float64)
@@ -64,6 +75,9 @@ Example:
     >>> plan = transport_plan(cost, log_a, log_b, f, g, 0.1)
     >>> torch.allclose(plan.sum(-2), log_b.exp(), atol=1e-8)
     True
+    >>> result = sinkhorn_solve(cost, log_a, log_b, epsilon=0.1, threshold=1e-9, max_iter=2000)
+    >>> result.converged.tolist(), bool(torch.equal(result.f, f))
+    ([True, True, True], True)
 
 References:
     Cuturi (2013). Sinkhorn distances. Thibault, Chizat, Dossal, Papadakis (2017). Overrelaxed
@@ -80,22 +94,50 @@ import warnings
 import torch
 from torch import Tensor
 
+# The forward solver's names, re-exported: fused ops and tests import them from here.
+from pyro_smc.ops.sinkhorn_kernel import (  # noqa: F401
+    _colsum,
+    _complete_zero_mass,
+    _log_domain_update,
+    _log_kernel,
+    _mask_kernel,
+    _pinned_reciprocal,
+    _rowsum,
+    _soft_min,
+    _soft_min_logits,
+    _thin_matmul,
+    _zero_mass,
+)
+from pyro_smc.ops.sinkhorn_solver import (  # noqa: F401
+    _ANNEAL_START,
+    _BIG,
+    _MAX_OMEGA,
+    _PLAIN_ITERS,
+    SinkhornConvergenceWarning,
+    SinkhornResult,
+    _epsilon_schedule,
+    _relaxation,
+    _solve,
+    _solve_loop,
+    _warn_unconverged,
+    record_results,
+)
+from pyro_smc.ops.sinkhorn_unrolled import _c_transforms, _SoftMin, _unrolled_log_loop  # noqa: F401
+
 __all__ = [
     "GRADIENT_MODES",
     "SinkhornConvergenceWarning",
+    "SinkhornResult",
     "squared_distances",
     "sinkhorn",
+    "sinkhorn_solve",
+    "record_results",
     "transport_plan",
     "check_equal_mass",
     "implicit_adjoint",
 ]
 
 GRADIENT_MODES = ("implicit", "unroll", "last_step")
-
-
-class SinkhornConvergenceWarning(UserWarning):
-    """Sinkhorn stopped at ``max_iter`` with a marginal error above ``threshold``: the plan, and
-    the gradients implied by it, are inaccurate. Raise ``max_iter`` or ``epsilon``."""
 
 # Above this many target points the adjoint system is solved by conjugate gradients
 # instead of a dense factorisation (O(M^2) per iteration instead of O(M^3) once).
@@ -125,376 +167,6 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
         # One fused pass instead of three (about 3x faster for 32 x 100 x 100).
         return torch.baddbmm(xx + yy, x, y.transpose(-1, -2), alpha=-2).clamp_min(0)
     return (xx + yy - 2 * x @ y.transpose(-1, -2)).clamp_min(0)
-
-
-# Annealing starts at this fraction of the mean cost (see _epsilon_schedule).
-_ANNEAL_START = 0.25
-
-
-def _epsilon_schedule(cost: Tensor, epsilon: float, scaling: float) -> list[float]:
-    """Annealing levels ``eps0 * scaling^k > epsilon`` (empty if off).
-
-    ``eps0`` is a quarter of the mean cost. The textbook start, the maximum cost, is set by a few
-    outlying pairs. Measured on particle clouds (32 x 100 points, float32, 1e-3 threshold), each
-    level costs about three final-phase iterations, and starting at the mean cost bought fewer
-    iterations than its levels cost at epsilon = 0.5 (8.6 ms against 3.0 ms without annealing)
-    while a start at a quarter of it matched the best schedule at epsilon = 0.1 and 0.02.
-    """
-    eps0 = float(cost.detach().mean()) * _ANNEAL_START
-    if not math.isfinite(eps0):
-        raise ValueError("sinkhorn: the cost matrix has non-finite entries")
-    if eps0 <= epsilon or not 0 < scaling < 1:
-        return []
-    steps = int(math.ceil(math.log(epsilon / eps0) / math.log(scaling)))
-    return [eps0 * scaling**k for k in range(steps) if eps0 * scaling**k > epsilon]
-
-
-def _log_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
-    return (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / eps
-
-
-def _rowsum(kernel: Tensor, v: Tensor) -> Tensor:
-    """``K v`` batched. Written as ``v^T K^T``: on CPU the row-vector form of a batched mat-vec
-    is several times faster than ``K @ v[..., None]`` (measured 9x at 32 x 100 x 100)."""
-    return (v.unsqueeze(-2) @ kernel.transpose(-1, -2)).squeeze(-2)
-
-
-def _colsum(kernel: Tensor, u: Tensor) -> Tensor:
-    """``K^T u`` batched."""
-    return (u.unsqueeze(-2) @ kernel).squeeze(-2)
-
-
-def _thin_matmul(kernel: Tensor, x: Tensor, transpose: bool = False) -> Tensor:
-    """``K x`` (or ``K^T x``) for a thin ``x`` of shape ``(..., M, k)``, in the row form.
-
-    The same layout effect as in :func:`_rowsum`: ``(x^T K^T)^T`` with ``x^T`` contiguous ran
-    4x faster than ``K @ x`` at 32 x 100 x 100 with k = 3.
-    """
-    rows = x.transpose(-1, -2).contiguous()
-    return (rows @ (kernel if transpose else kernel.transpose(-1, -2))).transpose(-1, -2)
-
-
-# Scalings outside [1/_BIG, _BIG] are absorbed into the potentials and the kernel rebuilt, so
-# the fast kernel-domain iterations never overflow (the log-stabilised Sinkhorn of Schmitzer).
-_BIG = 1e15
-# Over-relaxation: plain iterations used to estimate each problem's contraction rate, and the
-# largest relaxation factor allowed.
-_PLAIN_ITERS = 3
-_MAX_OMEGA = 1.8
-
-
-def _relaxation(rate: Tensor) -> Tensor:
-    """Per-problem over-relaxation factor from the observed contraction rate of plain Sinkhorn.
-
-    Near the fixed point Sinkhorn is a linear iteration contracting by ``rate`` per step; the
-    classical SOR choice ``omega = 2 / (1 + sqrt(1 - rate))`` (Thibault et al. 2017, Lehmann
-    et al. 2021) makes it contract by about ``omega - 1`` instead. The early rate underestimates
-    the asymptotic one, which errs towards the safe side (smaller omega).
-    """
-    rate = torch.nan_to_num(rate, nan=0.0, posinf=0.99).clamp(0, 0.99)
-    return (2 / (1 + (1 - rate).sqrt())).clamp(1, _MAX_OMEGA).unsqueeze(-1)
-
-
-def _pinned_reciprocal(sums: Tensor, pinned: Tensor | None) -> Tensor:
-    """``1 / sums``, with the scalings of zero-mass points (``pinned``) fixed at 1.
-
-    The mask goes on the input, not the output: ``where(pinned, 1, 1 / sums)`` would still send
-    a zero gradient into ``1 / 0``, and ``0 * inf`` made every unrolled gradient NaN as soon as
-    one particle's weight underflowed.
-    """
-    if pinned is None:
-        return 1 / sums
-    return 1 / torch.where(pinned, torch.ones_like(sums), sums)
-
-
-def _log_domain_update(
-    cost: Tensor, f: Tensor, g: Tensor, log_a: Tensor, log_b: Tensor, eps: float, a_zero: Tensor | None, b_zero: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One exact log-domain column then row update; returns ``(f, g, kernel)`` with the new
-    potentials absorbed, so the kernel is O(1) at every row's and column's maximum. Potentials of
-    zero-mass particles (``a_zero`` / ``b_zero`` masks) are pinned to 0 and their kernel rows and
-    columns to 0."""
-    g = _soft_min(cost, f, log_a, eps, rows=True)
-    f = _soft_min(cost, g, log_b, eps, rows=False)
-    if a_zero is not None:
-        f = torch.where(a_zero, torch.zeros_like(f), f)
-    if b_zero is not None:
-        g = torch.where(b_zero, torch.zeros_like(g), g)
-    return f, g, _mask_kernel(torch.exp(_log_kernel(cost, f, g, eps)), a_zero, b_zero)
-
-
-def _mask_kernel(kernel: Tensor, a_zero: Tensor | None, b_zero: Tensor | None) -> Tensor:
-    """Zeroes the kernel's rows and columns of zero-mass points.
-
-    Their entries carry no mass, but they are not bounded: a row far from every heavy particle
-    needs ``K_ij`` up to ``1 / b_j`` for its marginal, which overflows float32 once ``b_j`` is
-    below 1e-38, and ``0 * inf`` then sent every iteration back to an absorption (100 of them
-    without a convergence check on a float32 filter with ESS 1.001).
-    """
-    if a_zero is not None:
-        kernel = kernel.masked_fill(a_zero.unsqueeze(-1), 0.0)
-    if b_zero is not None:
-        kernel = kernel.masked_fill(b_zero.unsqueeze(-2), 0.0)
-    return kernel
-
-
-def _zero_mass(log_w: Tensor) -> Tensor:
-    """Points whose mass is below the dtype's smallest normal number (denormals carry a few bits
-    at best and their reciprocals overflow): the solver treats them as empty."""
-    return log_w < math.log(torch.finfo(log_w.dtype).tiny)
-
-
-def _solve_loop(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: float,
-    scaling: float,
-    threshold: float,
-    max_iter: int,
-) -> tuple[Tensor, Tensor, int]:
-    """Annealed Sinkhorn, run under whatever autograd mode is active.
-
-    Each annealing level takes one symmetric, averaged log-domain update (Feydy et al.). At the
-    final epsilon the iterations run in the kernel domain (two batched mat-vecs each) on a kernel
-    into which the current potentials are absorbed; scalings that grow too large are absorbed
-    again by an exact log-domain update. The loop runs until every problem's marginal error is
-    below ``threshold``; problems that converge early keep iterating (which only makes them more
-    accurate) until, under ``no_grad``, half of the working set has converged, and then leave it.
-    Compacting less often than at every convergence saves the copies of the kernel; with
-    autograd on there is no compaction, so the graph stays a plain function of the inputs.
-    The loop ends on a row update: rows of the plan are exact, columns within ``threshold``.
-    """
-    batch_shape = cost.shape[:-2]
-    n, m = cost.shape[-2:]
-    cost = cost.reshape(-1, n, m)
-    log_a = log_a.expand(batch_shape + (n,)).reshape(-1, n)
-    log_b = log_b.expand(batch_shape + (m,)).reshape(-1, m)
-    problem = (cost, log_a, log_b)  # uncompacted, for the zero-mass completion at the end
-    f = torch.zeros_like(log_a)
-    g = torch.zeros_like(log_b)
-    schedule = _epsilon_schedule(cost, epsilon, scaling)
-    for eps in schedule:
-        # With the previous potentials absorbed the kernel is O(1) near its row/column maxima,
-        # so one symmetric kernel-domain update per level is safe; log() of an underflowed sum
-        # gives -inf and is caught by the exact log-domain update that opens the final phase.
-        kernel = torch.exp(_log_kernel(cost, f, g, eps))
-        f_new = f - eps * torch.log(_rowsum(kernel, log_b.exp()))
-        g_new = g - eps * torch.log(_colsum(kernel, log_a.exp()))
-        f, g = (f + f_new) / 2, (g + g_new) / 2
-    if schedule:
-        f = torch.where(torch.isfinite(f), f, torch.zeros_like(f))
-        g = torch.where(torch.isfinite(g), g, torch.zeros_like(g))
-
-    eps = epsilon
-    compact = not torch.is_grad_enabled()
-    # Particles of zero weight have no marginal to match; their scalings are pinned to 1 and
-    # their kernel rows/columns to 0 so that 0 * inf never turns an error or a potential into NaN.
-    a_zero, b_zero = _zero_mass(log_a), _zero_mass(log_b)
-    pin_a, pin_b = bool(a_zero.any()), bool(b_zero.any())
-    a = log_a.exp().masked_fill(a_zero, 0.0) if pin_a else log_a.exp()
-    b = log_b.exp().masked_fill(b_zero, 0.0) if pin_b else log_b.exp()
-    # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
-    kernel = torch.exp(_log_kernel(cost, f, g, eps)) if schedule else torch.exp(cost * (-1.0 / eps))
-    kernel = _mask_kernel(kernel, a_zero if pin_a else None, b_zero if pin_b else None)
-    tiny = torch.finfo(kernel.dtype).tiny
-    row_sums, col_sums = _rowsum(kernel, b), _colsum(kernel, a)
-    if not bool(((row_sums > tiny) | a_zero).all() & ((col_sums > tiny) | b_zero).all() & torch.isfinite(row_sums).all()):
-        # A row or column of the kernel underflowed (to zero, or to denormals that keep only a
-        # few bits): take the first column and row updates in the log domain instead.
-        f, g, kernel = _log_domain_update(cost, f, g, log_a, log_b, eps, a_zero if pin_a else None, b_zero if pin_b else None)
-        u = torch.ones_like(a)
-    else:
-        u = _pinned_reciprocal(row_sums, a_zero if pin_a else None)
-    v = torch.ones_like(b)
-    f_out, g_out = f, g
-    active = None  # indices of the working set in the batch, once compacted
-    iters = 0
-    omega, err_prev = None, None
-    while iters < max_iter:
-        iters += 1
-        u_prev, v_prev = u, v
-        v = _pinned_reciprocal(_colsum(kernel, a * u), b_zero if pin_b else None)
-        if omega is not None:
-            v = v_prev.pow(1 - omega) * v.pow(omega)
-        kv = _rowsum(kernel, b * v)
-        err = (a * (u * kv - 1).abs()).sum(-1)
-        u_exact = _pinned_reciprocal(kv, a_zero if pin_a else None)
-        if iters == _PLAIN_ITERS and _MAX_OMEGA > 1:
-            omega = _relaxation(err.detach() / err_prev.detach())
-        err_prev = err
-        u = u_exact if omega is None else u_prev.pow(1 - omega) * u_exact.pow(omega)
-        # err stays finite when kv underflows, so u is checked too.
-        overflow = not bool((torch.isfinite(err).all() & torch.isfinite(u).all()))
-        if overflow or (iters % 10 == 0 and float(torch.maximum(u.detach().abs().max(), v.detach().abs().max())) > _BIG):
-            # Absorb the last finite scalings into the potentials and take one exact
-            # log-domain column and row update; the kernel is O(1) again afterwards.
-            if overflow:
-                u, v = u_prev, v_prev
-            f, g = f + eps * torch.log(u), g + eps * torch.log(v)
-            f, g, kernel = _log_domain_update(cost, f, g, log_a, log_b, eps, a_zero if pin_a else None, b_zero if pin_b else None)
-            u, v = torch.ones_like(u), torch.ones_like(v)
-            u_exact = u
-            continue
-        done = err < threshold
-        if omega is not None and bool(done.any()):
-            # Over-relaxed v is not the exact column update, so the returned pair (u_exact, v)
-            # can miss the column marginal by far more than err says: check it before stopping.
-            col_err = (b * (v * _colsum(kernel, a * u_exact) - 1).abs()).sum(-1)
-            done = done & (col_err < threshold)
-        num_done = int(done.sum())
-        if num_done == done.numel():
-            break
-        if compact and 2 * num_done >= done.numel():
-            finished, keep = done.nonzero().squeeze(-1), (~done).nonzero().squeeze(-1)
-            if active is None:
-                active = torch.arange(cost.shape[0], device=cost.device)
-                f_out, g_out = f.clone(), g.clone()
-            f_out[active[finished]] = f[finished] + eps * torch.log(u_exact[finished])
-            g_out[active[finished]] = g[finished] + eps * torch.log(v[finished])
-            active = active[keep]
-            f, g, u, v, u_exact, err_prev, a, b, log_a, log_b = (t.index_select(0, keep) for t in (f, g, u, v, u_exact, err_prev, a, b, log_a, log_b))
-            a_zero, b_zero = a_zero.index_select(0, keep), b_zero.index_select(0, keep)
-            omega = None if omega is None else omega.index_select(0, keep)
-            kernel, cost = kernel.index_select(0, keep), cost.index_select(0, keep)
-    else:
-        _warn_unconverged(err, threshold, max_iter)
-    # The returned potentials take the last exact row update, so rows of the plan are exact.
-    f, g = f + eps * torch.log(u_exact), g + eps * torch.log(v)
-    if active is not None:
-        f_out[active], g_out[active] = f, g
-        f, g = f_out, g_out
-    if pin_a or pin_b:
-        f, g = _complete_zero_mass(*problem, f, g, eps)
-    return f.reshape(batch_shape + (n,)), g.reshape(batch_shape + (m,)), iters
-
-
-def _complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Gives points whose mass underflowed to zero their true potentials, the c-transforms
-    ``g_j = -eps log sum_i a_i exp((f_i - C_ij) / eps)`` (and the same for ``f``).
-
-    The iterations pin such points' scalings to 1 (their marginals are empty, and 0 * inf would
-    turn errors into NaN), which leaves their potentials at whatever was last absorbed. That is
-    harmless for the plan while ``b_j`` is exactly zero, but a finite ``log b_j`` below the
-    dtype's range (about -104 in float32, -745 in float64) still enters every kernel built in
-    log space, ``P_ij = exp(log a_i + log b_j + (f_i + g_j - C_ij) / eps)``: with a stale
-    ``g_j`` that column was off by ``exp((g_true_j - g_j) / eps)``, which in float32 on sharp
-    likelihoods reached 1e29 and made the adjoint system indefinite (gradients of 1e13 to 1e21).
-    The c-transform is the potential the fixed point extends to those points, so every column
-    of the plan then sums to its (underflowing) mass.
-    """
-    a_zero, b_zero = _zero_mass(log_a), _zero_mass(log_b)
-    if bool(b_zero.any()):
-        g = torch.where(b_zero, _soft_min(cost, f, log_a, eps, rows=True), g)
-    if bool(a_zero.any()):
-        f = torch.where(a_zero, _soft_min(cost, g, log_b, eps, rows=False), f)
-    return f, g
-
-
-class _SoftMin(torch.autograd.Function):
-    """``-eps logsumexp((pot - C) / eps + log_w)`` over the points of ``pot`` (one c-transform).
-
-    Autograd through ``torch.logsumexp`` would store an ``N x M`` tensor per call; this keeps
-    only the vectors and recomputes the softmax in the backward pass, so an unrolled loop holds
-    one cost matrix plus ``O(N + M)`` per iteration.
-    """
-
-    @staticmethod
-    def forward(ctx, cost, pot, log_w, eps, rows):
-        # rows=True: pot lives on the rows (dim -2) and the result on the columns.
-        out = _soft_min(cost, pot, log_w, eps, rows)
-        ctx.save_for_backward(cost, pot, log_w, out)
-        ctx.eps, ctx.rows = eps, rows
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        cost, pot, log_w, out = ctx.saved_tensors
-        eps, rows = ctx.eps, ctx.rows
-        reduce_dim, keep_dim = (-2, -1) if rows else (-1, -2)
-        # softmax over the reduced points, times the incoming gradient of each result entry.
-        weights = torch.exp(_soft_min_logits(cost, pot, log_w, eps, rows) + (out / eps).unsqueeze(reduce_dim))
-        weights = weights * grad_out.unsqueeze(reduce_dim)
-        grad_cost = weights if ctx.needs_input_grad[0] else None
-        grad_pot = -weights.sum(keep_dim)
-        grad_log_w = eps * grad_pot if ctx.needs_input_grad[2] else None
-        return grad_cost, grad_pot, grad_log_w, None, None
-
-
-def _soft_min(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
-    """The c-transform ``-eps log sum exp((pot - C) / eps + log_w)`` over the points of ``pot``:
-    ``rows=True`` maps row potentials ``f`` to column potentials ``g``, ``rows=False`` the reverse."""
-    return -eps * torch.logsumexp(_soft_min_logits(cost, pot, log_w, eps, rows), dim=-2 if rows else -1)
-
-
-def _soft_min_logits(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
-    if rows:
-        return (pot.unsqueeze(-1) - cost) / eps + log_w.unsqueeze(-1)
-    return (pot.unsqueeze(-2) - cost) / eps + log_w.unsqueeze(-2)
-
-
-def _c_transforms(cost: Tensor, log_a: Tensor, log_b: Tensor, eps: float):
-    """The two exact log-domain soft-min maps, ``g(f)`` and ``f(g)``."""
-
-    def g_of(f: Tensor) -> Tensor:
-        return _SoftMin.apply(cost, f, log_a, eps, True)
-
-    def f_of(g: Tensor) -> Tensor:
-        return _SoftMin.apply(cost, g, log_b, eps, False)
-
-    return g_of, f_of
-
-
-def _unrolled_log_loop(
-    cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, scaling: float, threshold: float, max_iter: int
-) -> tuple[Tensor, Tensor]:
-    """Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
-
-    The fast loop of :func:`_solve_loop` works on scalings ``u = 1 / (K v)``, whose derivative
-    ``-1 / (K v)^2`` overflows (float32: as soon as a row's kernel sum falls below 1e-19) and then
-    meets the kernel's zeros as ``inf * 0 = NaN``: sharp likelihoods made every unrolled gradient
-    NaN. Log-sum-exp updates differentiate into softmaxes, which are bounded, and need no
-    special case for particles whose weight underflows. Each iteration costs two ``N x M``
-    exponentials instead of two mat-vecs, which is the price of this (small-problem) mode.
-
-    The column error needs no extra pass: after ``f = f(g)`` the plan's columns sum to
-    ``b_j exp((g_j - g(f)_j) / eps)``, and ``g(f)`` is the next iteration's update anyway.
-    """
-    batch_shape = torch.broadcast_shapes(cost.shape[:-2], log_a.shape[:-1], log_b.shape[:-1])
-    log_a = log_a.expand(batch_shape + log_a.shape[-1:])
-    log_b = log_b.expand(batch_shape + log_b.shape[-1:])
-    f = torch.zeros_like(log_a)
-    g = torch.zeros_like(log_b)
-    for eps in _epsilon_schedule(cost, epsilon, scaling):
-        g_of, f_of = _c_transforms(cost, log_a, log_b, eps)
-        f, g = (f + f_of(g)) / 2, (g + g_of(f)) / 2
-    g_of, f_of = _c_transforms(cost, log_a, log_b, epsilon)
-    g = g_of(f)
-    for _ in range(max_iter):
-        f = f_of(g)
-        g_next = g_of(f)
-        with torch.no_grad():
-            err = (log_b.exp() * torch.expm1((g - g_next) / epsilon).abs()).sum(-1)
-        if bool((err < threshold).all()):
-            break
-        g = g_next
-    else:
-        _warn_unconverged(err, threshold, max_iter)
-    return f, g
-
-
-def _warn_unconverged(err: Tensor, threshold: float, max_iter: int) -> None:
-    """Tells the user that some problems ended at ``max_iter`` above ``threshold``."""
-    err = err.detach()
-    bad = ~(err < threshold)
-    if bool(bad.any()):
-        warnings.warn(
-            f"sinkhorn: {int(bad.sum())} of {err.numel()} problems stopped at max_iter={max_iter} with a marginal error of "
-            f"up to {float(err[bad].max()):.3g} (threshold {threshold:g}); the transport and its gradient are inaccurate: "
-            "raise max_iter or epsilon",
-            SinkhornConvergenceWarning,
-            stacklevel=3,
-        )
 
 
 def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> Tensor:
@@ -596,9 +268,12 @@ class _ImplicitSinkhorn(torch.autograd.Function):
     """Potentials at the fixed point, differentiated by the implicit function theorem."""
 
     @staticmethod
-    def forward(ctx, cost, log_a, log_b, epsilon, scaling, threshold, max_iter):
+    def forward(ctx, cost, log_a, log_b, epsilon, scaling, threshold, max_iter, report):
+        # report: a list that receives the solve's SinkhornResult (outputs stay f and g).
         with torch.no_grad():
-            f, g, _ = _solve_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
+            result, _ = _solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
+        report.append(result)
+        f, g = result.f, result.g
         ctx.save_for_backward(cost, log_a, log_b, f, g)
         ctx.epsilon = epsilon
         ctx.tol = min(1e-2, threshold)
@@ -621,10 +296,11 @@ class _ImplicitSinkhorn(torch.autograd.Function):
         grad_cost = kernel * (alpha.unsqueeze(-1) * sqrt_b.unsqueeze(-2) + sqrt_a.unsqueeze(-1) * beta.unsqueeze(-2))
         grad_log_a = -eps * sqrt_a * _rowsum(kernel, beta)
         grad_log_b = -eps * sqrt_b * _colsum(kernel, alpha)
-        return grad_cost, _unbroadcast(grad_log_a, ctx, 1), _unbroadcast(grad_log_b, ctx, 2), None, None, None, None
+        return grad_cost, _unbroadcast(grad_log_a, ctx, 1), _unbroadcast(grad_log_b, ctx, 2), None, None, None, None, None
 
 
 def _unbroadcast(grad: Tensor, ctx, index: int) -> Tensor | None:
+    """Sums ``grad`` down to the shape of saved input ``index`` (``None`` if not needed)."""
     if not ctx.needs_input_grad[index]:
         return None
     shape = ctx.saved_tensors[index].shape
@@ -634,6 +310,74 @@ def _unbroadcast(grad: Tensor, ctx, index: int) -> Tensor | None:
         if size == 1 and grad.shape[dim] != 1:
             grad = grad.sum(dim, keepdim=True)
     return grad
+
+
+def _check_arguments(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, max_iter: int, gradient: str) -> float:
+    """Validates the arguments of :func:`sinkhorn_solve`; returns ``epsilon`` as a float."""
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"sinkhorn: epsilon must be finite and > 0, got {epsilon}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"sinkhorn: max_iter must be an int >= 1, got {max_iter!r}")
+    if cost.dim() < 2 or log_a.shape[-1:] != cost.shape[-2:-1] or log_b.shape[-1:] != cost.shape[-1:]:
+        raise ValueError(
+            f"sinkhorn: cost (..., N, M) = {tuple(cost.shape)} needs log_a (..., N) and log_b (..., M), got {tuple(log_a.shape)} and {tuple(log_b.shape)}"
+        )
+    if gradient not in GRADIENT_MODES:
+        raise ValueError(f"sinkhorn: gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
+    check_equal_mass(log_a, log_b)
+    return float(epsilon)
+
+
+def sinkhorn_solve(
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    epsilon: float,
+    scaling: float = 0.75,
+    threshold: float = 1e-3,
+    max_iter: int = 100,
+    gradient: str = "implicit",
+) -> SinkhornResult:
+    """Solves a batch of entropic OT problems and reports how each solve ended.
+
+    The potentials are those of :func:`sinkhorn` with the same arguments, bit for bit and with
+    the same gradient path; the diagnostics are detached.
+
+    Args:
+        cost, log_a, log_b, epsilon, scaling, threshold, max_iter, gradient: as in
+            :func:`sinkhorn`.
+
+    Returns:
+        A :class:`SinkhornResult` ``(f, g, converged, num_iterations, marginal_error)``: the
+        potentials ``(..., N)`` and ``(..., M)``, and per problem (shape ``(...)``, the batch)
+        whether it met ``threshold`` within ``max_iter``, the iterations it ran at the final
+        ``epsilon``, and the L1 marginal error last measured.
+
+    Example:
+        >>> import math, torch
+        >>> x = torch.randn(2, 30, 2, dtype=torch.float64)
+        >>> cost = squared_distances(x, x)
+        >>> log_a = torch.full((2, 30), -math.log(30), dtype=torch.float64)
+        >>> log_b = torch.randn(2, 30, dtype=torch.float64).mul(3).log_softmax(-1)
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", SinkhornConvergenceWarning)
+        ...     hard = sinkhorn_solve(cost, log_a, log_b, 0.01, scaling=0.0, threshold=1e-6, max_iter=2)
+        >>> hard.converged.tolist(), hard.num_iterations.tolist()
+        ([False, False], [2, 2])
+    """
+    epsilon = _check_arguments(cost, log_a, log_b, epsilon, max_iter, gradient)
+    if gradient == "implicit":
+        report: list[SinkhornResult] = []
+        f, g = _ImplicitSinkhorn.apply(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, report)
+        return report[0]._replace(f=f, g=g)
+    if gradient == "unroll":
+        return _unrolled_log_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
+    with torch.no_grad():
+        result, _ = _solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, stacklevel=4)
+    # One differentiable row update from the detached g: the plan's rows are exact and its
+    # derivatives are those of a row-softmax, which is what makes this mode approximate.
+    return result._replace(f=_soft_min(cost, result.g, log_b, epsilon, rows=False))
 
 
 def sinkhorn(
@@ -660,30 +404,10 @@ def sinkhorn(
         gradient: ``"implicit"``, ``"unroll"`` or ``"last_step"`` (see the module docstring).
 
     Returns:
-        ``(f, g)``, potentials of shapes ``(..., N)`` and ``(..., M)``.
+        ``(f, g)``, potentials of shapes ``(..., N)`` and ``(..., M)``. Whether the solve
+        converged is only warned about here; :func:`sinkhorn_solve` returns it.
     """
-    if not (epsilon > 0 and math.isfinite(epsilon)):
-        raise ValueError(f"sinkhorn: epsilon must be finite and > 0, got {epsilon}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"sinkhorn: max_iter must be an int >= 1, got {max_iter!r}")
-    if cost.dim() < 2 or log_a.shape[-1:] != cost.shape[-2:-1] or log_b.shape[-1:] != cost.shape[-1:]:
-        raise ValueError(
-            f"sinkhorn: cost (..., N, M) = {tuple(cost.shape)} needs log_a (..., N) and log_b (..., M), "
-            f"got {tuple(log_a.shape)} and {tuple(log_b.shape)}"
-        )
-    if gradient not in GRADIENT_MODES:
-        raise ValueError(f"sinkhorn: gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
-    epsilon = float(epsilon)
-    check_equal_mass(log_a, log_b)
-    if gradient == "implicit":
-        return _ImplicitSinkhorn.apply(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
-    if gradient == "unroll":
-        return _unrolled_log_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
-    with torch.no_grad():
-        f, g, _ = _solve_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
-    # One differentiable row update from the detached g: the plan's rows are exact and its
-    # derivatives are those of a row-softmax, which is what makes this mode approximate.
-    f = _soft_min(cost, g, log_b, epsilon, rows=False)
+    f, g, *_ = sinkhorn_solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, gradient)
     return f, g
 
 

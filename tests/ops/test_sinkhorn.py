@@ -305,3 +305,115 @@ def test_sinkhorn_float32_degenerate_marginals_converge_early():
         _, _, iterations = _solve_loop(squared_distances(x, y), log_a, log_b, 0.3, 0.0, 1e-3, 2000)
     # float64 converges in 1 iteration on the same problem; float32 uses all 2000.
     assert iterations < 100
+
+
+# =================================================================================================
+# The solve's result: convergence diagnostics next to the potentials
+# =================================================================================================
+GRADIENTS = ["implicit", "unroll", "last_step"]
+
+
+def _hard_and_easy(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 30, 2, generator=g, dtype=dtype)
+    cost = squared_distances(x, x)
+    log_a = torch.full((3, 30), -math.log(30), dtype=dtype)
+    log_b = torch.randn(3, 30, generator=g, dtype=dtype).mul(3).log_softmax(-1)
+    return cost, log_a, log_b
+
+
+@pytest.mark.parametrize("gradient", GRADIENTS)
+def test_result_reports_a_solve_cut_off_at_max_iter_as_not_converged(gradient):
+    from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning, sinkhorn_solve
+
+    cost, log_a, log_b = _hard_and_easy()
+    with pytest.warns(SinkhornConvergenceWarning):
+        result = sinkhorn_solve(cost, log_a, log_b, 0.01, scaling=0.0, threshold=1e-6, max_iter=2, gradient=gradient)
+    assert result.converged.shape == result.num_iterations.shape == result.marginal_error.shape == (3,)
+    assert result.converged.dtype == torch.bool and not bool(result.converged.any())
+    assert result.num_iterations.dtype == torch.int64 and result.num_iterations.tolist() == [2, 2, 2]
+    assert bool((result.marginal_error >= 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("gradient", GRADIENTS)
+def test_result_reports_an_easy_solve_as_converged(gradient, dtype):
+    import warnings
+
+    from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning, sinkhorn_solve
+
+    cost, log_a, log_b = _hard_and_easy(dtype)
+    threshold = 1e-4 if dtype == torch.float32 else 1e-8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SinkhornConvergenceWarning)
+        result = sinkhorn_solve(cost, log_a, log_b, 0.5, threshold=threshold, max_iter=1000, gradient=gradient)
+    assert bool(result.converged.all())
+    assert bool(((result.num_iterations >= 1) & (result.num_iterations < 1000)).all())
+    assert result.marginal_error.dtype == dtype and bool((result.marginal_error < threshold).all())
+    for diagnostic in result[2:]:
+        assert not diagnostic.requires_grad and diagnostic.device == cost.device
+
+
+@pytest.mark.parametrize("gradient", GRADIENTS)
+def test_result_potentials_and_gradients_equal_the_plain_call_bit_for_bit(gradient):
+    from pyro_smc.ops.sinkhorn import sinkhorn_solve
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 12, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    log_b = (2 * torch.randn(4, 12, generator=g, dtype=torch.float64)).log_softmax(-1).requires_grad_()
+    log_a = torch.full((4, 12), -math.log(12), dtype=torch.float64)
+    weights = torch.randn(12, generator=g, dtype=torch.float64)
+    runs = []
+    for solve in (sinkhorn, sinkhorn_solve):
+        cost = squared_distances(x, x)
+        f, gg = solve(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=500, gradient=gradient)[:2]
+        grads = torch.autograd.grad((f * weights).sum() + gg.square().sum(), (x, log_b))
+        runs.append((f.detach(), gg.detach()) + grads)
+    for plain, with_result in zip(*runs):
+        assert torch.equal(plain, with_result)
+
+
+def test_result_diagnostics_are_per_problem_when_problems_converge_at_different_iterations():
+    """The working set is compacted as problems converge (under no_grad): each problem's
+    iterations, error and flag are its own, and the flag agrees with its returned plan."""
+    from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning, sinkhorn_solve
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 20, 2, generator=g, dtype=torch.float64)
+    # Costs from 0.1x to 20x the same cloud: the stretched problems need many more iterations.
+    stretch = torch.tensor([0.1, 0.5, 1.0, 3.0, 8.0, 20.0], dtype=torch.float64).reshape(2, 3, 1, 1)
+    cost = stretch * squared_distances(x, x)
+    log_a = torch.full((2, 3, 20), -math.log(20), dtype=torch.float64)
+    log_b = torch.randn(2, 3, 20, generator=g, dtype=torch.float64).log_softmax(-1)
+    with torch.no_grad(), pytest.warns(SinkhornConvergenceWarning):
+        result = sinkhorn_solve(cost, log_a, log_b, 0.5, scaling=0.0, threshold=1e-8, max_iter=60)
+    assert result.converged.shape == result.num_iterations.shape == (2, 3)
+    assert result.f.shape == (2, 3, 20)
+    assert bool(result.converged[0, 0]) and not bool(result.converged[1, 2])
+    assert len(set(result.num_iterations.flatten().tolist())) > 1 and int(result.num_iterations.max()) == 60
+    assert torch.equal(result.converged, result.marginal_error < 1e-8)
+    plan = transport_plan(cost, log_a, log_b, result.f, result.g, 0.5)
+    column_error = (plan.sum(-2) - log_b.exp()).abs().sum(-1)
+    assert bool((column_error[result.converged] < 1e-8).all())
+    assert bool((column_error[~result.converged] > 1e-8).all())
+
+
+def test_record_results_collects_every_solve_inside_the_block_detached():
+    from pyro_smc.ops.sinkhorn import record_results, sinkhorn_solve
+
+    cost, log_a, log_b = _hard_and_easy()
+    cost.requires_grad_()
+    with record_results() as outer:
+        first = sinkhorn_solve(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=1000, gradient="unroll")
+        with record_results() as inner:
+            sinkhorn(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=1000)
+    sinkhorn(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=1000)  # outside: not recorded
+    assert len(outer) == 2 and len(inner) == 1 and inner[0] is outer[1]
+    assert first.f.requires_grad and not outer[0].f.requires_grad
+    assert torch.equal(outer[0].f, first.f.detach()) and torch.equal(outer[0].converged, first.converged)
+
+
+def test_solve_loop_keeps_its_return_form():
+    cost, log_a, log_b = _hard_and_easy()
+    f, gg, iterations = _solve_loop(cost, log_a, log_b, 0.5, 0.75, 1e-6, 1000)
+    assert f.shape == gg.shape == (3, 30) and isinstance(iterations, int) and 1 <= iterations < 1000

@@ -1,0 +1,118 @@
+r"""Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
+
+Autograd differentiates the returned iterate through every iteration. The kernel-domain loop of
+:mod:`pyro_smc.ops.sinkhorn_solver` cannot be unrolled safely (see :func:`_unrolled_log_loop`),
+so this mode runs its own loop on exact c-transforms, each a :class:`_SoftMin` that stores only
+vectors for the backward pass.
+
+Example:
+    >>> import math, torch
+    >>> from pyro_smc.ops.sinkhorn_unrolled import _unrolled_log_loop
+    >>> cost = torch.rand(2, 5, 5, dtype=torch.float64, requires_grad=True)
+    >>> log_w = torch.full((2, 5), -math.log(5), dtype=torch.float64)
+    >>> result = _unrolled_log_loop(cost, log_w, log_w, 0.5, 0.75, 1e-8, 1000)
+    >>> result.f.requires_grad, result.converged.tolist()
+    (True, [True, True])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from pyro_smc.ops.sinkhorn_kernel import _soft_min, _soft_min_logits
+from pyro_smc.ops.sinkhorn_solver import SinkhornResult, _epsilon_schedule, _publish, _warn_unconverged
+
+__all__: list[str] = []
+
+
+class _SoftMin(torch.autograd.Function):
+    """``-eps logsumexp((pot - C) / eps + log_w)`` over the points of ``pot`` (one c-transform).
+
+    Autograd through ``torch.logsumexp`` would store an ``N x M`` tensor per call; this keeps
+    only the vectors and recomputes the softmax in the backward pass, so an unrolled loop holds
+    one cost matrix plus ``O(N + M)`` per iteration.
+    """
+
+    @staticmethod
+    def forward(ctx, cost, pot, log_w, eps, rows):
+        # rows=True: pot lives on the rows (dim -2) and the result on the columns.
+        out = _soft_min(cost, pot, log_w, eps, rows)
+        ctx.save_for_backward(cost, pot, log_w, out)
+        ctx.eps, ctx.rows = eps, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cost, pot, log_w, out = ctx.saved_tensors
+        eps, rows = ctx.eps, ctx.rows
+        reduce_dim, keep_dim = (-2, -1) if rows else (-1, -2)
+        # softmax over the reduced points, times the incoming gradient of each result entry.
+        weights = torch.exp(_soft_min_logits(cost, pot, log_w, eps, rows) + (out / eps).unsqueeze(reduce_dim))
+        weights = weights * grad_out.unsqueeze(reduce_dim)
+        grad_cost = weights if ctx.needs_input_grad[0] else None
+        grad_pot = -weights.sum(keep_dim)
+        grad_log_w = eps * grad_pot if ctx.needs_input_grad[2] else None
+        return grad_cost, grad_pot, grad_log_w, None, None
+
+
+def _c_transforms(cost: Tensor, log_a: Tensor, log_b: Tensor, eps: float) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """The two exact log-domain soft-min maps, ``g(f)`` and ``f(g)``."""
+
+    def g_of(f: Tensor) -> Tensor:
+        return _SoftMin.apply(cost, f, log_a, eps, True)
+
+    def f_of(g: Tensor) -> Tensor:
+        return _SoftMin.apply(cost, g, log_b, eps, False)
+
+    return g_of, f_of
+
+
+def _unrolled_log_loop(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, scaling: float, threshold: float, max_iter: int) -> SinkhornResult:
+    """Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
+
+    The fast loop of :func:`pyro_smc.ops.sinkhorn_solver._solve` works on scalings
+    ``u = 1 / (K v)``, whose derivative ``-1 / (K v)^2`` overflows (float32: as soon as a row's
+    kernel sum falls below 1e-19) and then meets the kernel's zeros as ``inf * 0 = NaN``: sharp
+    likelihoods made every unrolled gradient NaN. Log-sum-exp updates differentiate into
+    softmaxes, which are bounded, and need no special case for particles whose weight
+    underflows. Each iteration costs two ``N x M`` exponentials instead of two mat-vecs, which
+    is the price of this (small-problem) mode.
+
+    The column error needs no extra pass: after ``f = f(g)`` the plan's columns sum to
+    ``b_j exp((g_j - g(f)_j) / eps)``, and ``g(f)`` is the next iteration's update anyway.
+
+    Returns:
+        The :class:`SinkhornResult` over the broadcast batch shape; every problem runs the same
+        number of iterations, and ``marginal_error`` is the column error of the returned plan
+        (its rows are exact).
+    """
+    batch_shape = torch.broadcast_shapes(cost.shape[:-2], log_a.shape[:-1], log_b.shape[:-1])
+    log_a = log_a.expand(batch_shape + log_a.shape[-1:])
+    log_b = log_b.expand(batch_shape + log_b.shape[-1:])
+    f = torch.zeros_like(log_a)
+    g = torch.zeros_like(log_b)
+    for eps in _epsilon_schedule(cost, epsilon, scaling):
+        g_of, f_of = _c_transforms(cost, log_a, log_b, eps)
+        f, g = (f + f_of(g)) / 2, (g + g_of(f)) / 2
+    g_of, f_of = _c_transforms(cost, log_a, log_b, epsilon)
+    g = g_of(f)
+    iters = 0
+    for _ in range(max_iter):
+        iters += 1
+        f = f_of(g)
+        g_next = g_of(f)
+        with torch.no_grad():
+            err = (log_b.exp() * torch.expm1((g - g_next) / epsilon).abs()).sum(-1)
+        if bool((err < threshold).all()):
+            break
+        g = g_next
+    else:
+        _warn_unconverged(err, threshold, max_iter, stacklevel=4)
+    err = err.detach()
+    iterations = torch.full(err.shape, iters, dtype=torch.long, device=err.device)
+    result = SinkhornResult(f, g, err < threshold, iterations, err)
+    _publish(result)
+    return result
