@@ -60,13 +60,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pyro_smc.guides.streaming_family import GaussianKernel, StreamingFamily, gaussian
+from pyro_smc.guides.streaming_family import GaussianKernel, StreamingFamily, gaussian, marginal_covariance
 from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
 from pyro_smc.infer.online_context import StepContext, check_observation
 from pyro_smc.infer.online_init import initialise
 from pyro_smc.infer.online_learning import ParameterLearner, robbins_monro
 from pyro_smc.infer.online_objective import StepOptimiser, draw, increment
 from pyro_smc.infer.regression import QuadraticRegressor, Regressor, make_regressor
+from pyro_smc.ops.results import OnlineFilterResult
 from pyro_smc.tracing import module_context
 
 __all__ = ["INITIALIZE", "OnlineVariationalFilter", "robbins_monro"]
@@ -209,6 +210,8 @@ class OnlineVariationalFilter:
         self._learner.reset()
         self._obs_shape: torch.Size | None = None
         self.last_increments: Tensor | None = None
+        # Per-step summaries for `result`: O(T d^2) memory, a few hundred bytes a step for small d.
+        self._history: dict[str, list[Tensor]] = {"increments": [], "means": [], "covariances": []}
         with poutine.block(), module_context(self.model):
             self.model.init(self._state, *args, **kwargs)
         return self
@@ -240,6 +243,9 @@ class OnlineVariationalFilter:
         if self.t > 0:
             self._kernels.append(kernel)
         self._previous = marginal
+        self._history["increments"].append(self.log_evidence_increment.detach().clone())
+        self._history["means"].append(marginal.mean.detach().clone())
+        self._history["covariances"].append(marginal_covariance(marginal).detach().clone())
         self.t += 1
         return self
 
@@ -268,6 +274,20 @@ class OnlineVariationalFilter:
         for y in tqdm(observations, desc="OnlineVariationalFilter", disable=not self.progress_bar, leave=False):
             self.step(y, *args, **kwargs)
         return self
+
+    @property
+    def result(self) -> OnlineFilterResult:
+        """A snapshot of the stream so far as an :class:`~pyro_smc.ops.results.OnlineFilterResult`:
+        the running ELBO ``log_evidence``, its per-step increments ``(T,)`` and the filtering
+        marginals' means ``(T, d)`` and covariances ``(T, d, d)`` (detached)."""
+        if not self._history["means"]:
+            raise RuntimeError("no observation has been assimilated yet; call run(observations) or step(y) first")
+        return OnlineFilterResult(
+            log_evidence=self.log_evidence,
+            log_evidence_increments=torch.stack(self._history["increments"]),
+            means=torch.stack(self._history["means"]),
+            covariances=torch.stack(self._history["covariances"]),
+        )
 
     @property
     def elbo(self) -> Tensor:
@@ -324,6 +344,7 @@ class OnlineVariationalFilter:
             "state": dict(self._state),
             "state_key": self._state_key,
             "obs_shape": self._obs_shape,
+            "history": {k: list(v) for k, v in self._history.items()},
             "model_attributes": plain_attributes(self.model),
             **rng_state(),
         }
@@ -346,6 +367,8 @@ class OnlineVariationalFilter:
         self._state = dict(state["state"])
         self._state_key = state["state_key"]
         self._obs_shape = state["obs_shape"]
+        # Checkpoints written before the history was kept resume without it.
+        self._history = {k: list(v) for k, v in state.get("history", {"increments": [], "means": [], "covariances": []}).items()}
         restore_attributes(self.model, state["model_attributes"])
         if restore_rng:
             set_rng_state(state)

@@ -335,7 +335,12 @@ def test_run_is_init_then_steps_and_log_evidence_is_the_elbo():
     torch.manual_seed(0)
     ran = build().run(ys)
     assert torch.equal(ran.log_evidence, stepped.log_evidence)
+    out = ran.result  # the typed snapshot: the increments telescope to the running ELBO
+    assert out.means.shape == (4, 3) and out.covariances.shape == (4, 3, 3)
+    torch.testing.assert_close(out.log_evidence_increments.sum(), out.log_evidence)
+    torch.testing.assert_close(out.means[-1], ran.filtering_distribution().mean)
     assert ran.run(ys[:2]).t == 2  # a second run starts a new stream
+    assert ran.result.means.shape == (2, 3)
     assert ran.elbo is ran.log_evidence and ran.elbo_increment is ran.log_evidence_increment
     assert torch.isfinite(ran.log_evidence)
     bad = ys.clone()
