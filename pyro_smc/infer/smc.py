@@ -143,6 +143,9 @@ class SMC:
         filtering_means: dict of ``(T, B, *event)`` weighted means per floating state key,
             one row per ``step`` (taken before resampling).
         ess_history: ``(T, B)``; resampled: ``(T, B)`` bool.
+        log_evidence_increments: ``(T, B)`` per-step terms of ``log_evidence``.
+        result: all of the above as a typed :class:`~pyro_smc.ops.results.SMCResult`, plus
+            whether each step's optimal-transport solve converged (``resampler_converged``).
     """
 
     def __init__(
@@ -196,6 +199,9 @@ class SMC:
         self._ess_history: list[Tensor] = []
         self._resampled: list[Tensor] = []
         self._increments: list[Tensor] = []
+        # Per step, whether the resampler's inner solve converged (None: it solves nothing).
+        self._converged: list[Tensor] | None = None
+        self._step_converged: Tensor | None = None
         # log p_hat of the scoring since the last recorded step (an init's term joins step 0).
         self._unrecorded_increment: Tensor | None = None
         self._warned_sites: set[str] = set()
@@ -299,7 +305,7 @@ class SMC:
             filtering_means=self.filtering_means,
             ess=self.ess_history,
             resampled=self.resampled,
-            resampler_converged=None,
+            resampler_converged=None if self._converged is None else torch.stack(self._converged),
         )
 
     @property
@@ -341,6 +347,7 @@ class SMC:
             "means": {k: [v.detach().clone() for v in values] for k, values in self._means.items()},
             "ess_history": [v.clone() for v in self._ess_history],
             "increments": [v.detach().clone() for v in self._increments],
+            "converged": None if self._converged is None else [v.clone() for v in self._converged],
             "unrecorded_increment": detached(self._unrecorded_increment),
             "resampled": [v.clone() for v in self._resampled],
             "model_attributes": plain_attributes(self.model),
@@ -363,6 +370,7 @@ class SMC:
         # Checkpoints written before the increments were recorded resume without their history.
         self._increments = list(state.get("increments", []))
         self._unrecorded_increment = state.get("unrecorded_increment")
+        self._converged = None if state.get("converged") is None else list(state["converged"])
         self._resampled = list(state["resampled"])
         restore_attributes(self.model, state["model_attributes"])
         restore_attributes(self.guide, state["guide_attributes"])
@@ -572,10 +580,16 @@ class SMC:
         # References, not copies: resampling replaces the state tensors instead of mutating them.
         self._weighted = (dict(self.state), log_w)
         need = ess < self.ess_threshold * self.num_particles
+        self._step_converged = None
         if self.state and bool(need.any()):
             self._resample(need, where)
         if where != "init":
             self._resampled.append(need if self.state else torch.zeros_like(need))
+            if self._step_converged is not None and self._converged is None:
+                # The first solve seen: earlier steps solved nothing, so they count as converged.
+                self._converged = [torch.ones_like(need) for _ in self._resampled[:-1]]
+            if self._converged is not None:
+                self._converged.append(torch.ones_like(need) if self._step_converged is None else self._step_converged)
 
     def _resample(self, need: Tensor, where: str) -> None:
         particles = self._batched_state()
@@ -589,6 +603,11 @@ class SMC:
         self.log_weights = new_log_w
         for key, value in new.items():
             dict.__setitem__(self.state, key, value if self.num_filters > 1 else value.squeeze(0))
+        # An iterative resampler (OTResampler) reports its last solve, one entry per filter it saw.
+        solve = getattr(self.resampler, "last_result", None)
+        if solve is not None:
+            converged = torch.ones_like(need)
+            self._step_converged = converged.masked_scatter(need, solve.converged.reshape(-1).to(need.device))
 
     def _call_resampler(self, particles: dict[str, Tensor], log_weights: Tensor, where: str) -> tuple[dict[str, Tensor], Tensor]:
         """Calls the resampler, prefixing its Sinkhorn convergence warnings with ``where``.

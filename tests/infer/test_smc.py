@@ -10,6 +10,7 @@ from pyro.infer import SMCFilter
 
 from pyro_smc import SMC
 from pyro_smc.infer.smc import SMCFailedError
+from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
 from tests.cases import isotropic_lgssm
@@ -482,3 +483,15 @@ def test_result_snapshot_splits_the_evidence_into_per_step_increments():
     assert out.filtering_means["x"].shape == (8, 3, 2)
     with pytest.raises(RuntimeError, match="step"):
         SMC(ssm, num_particles=3).result
+
+
+def test_result_reports_whether_each_transport_converged():
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(6)
+    assert SMC(ssm, num_particles=20).run(ys).result.resampler_converged is None  # nothing solved
+    easy = SMC(ssm, num_particles=20, num_filters=3, resampler=OTResampler(0.5)).run(ys).result
+    assert easy.resampler_converged.shape == (6, 3) and bool(easy.resampler_converged.all())
+    with pytest.warns(SinkhornConvergenceWarning):
+        hard = SMC(ssm, num_particles=20, num_filters=3, ess_threshold=1.0, resampler=OTResampler(0.5, max_iter=2)).run(ys).result
+    # Every filter resampled at every step and no solve converged in two iterations.
+    assert bool(hard.resampled.all()) and not bool(hard.resampler_converged.any())
