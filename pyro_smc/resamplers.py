@@ -1,5 +1,8 @@
 """Resamplers: weighted particles in, (re)weighted particles out, all with one signature.
 
+See ``docs/math/smc.md#index-resampling`` and ``docs/math/smc.md#soft-resampling`` and
+``docs/math/smc.md#optimal-transport-resampling``.
+
 Every resampler is a callable::
 
     resampler(particles: dict[str, Tensor], log_weights: Tensor) -> (dict[str, Tensor], Tensor)

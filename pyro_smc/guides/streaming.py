@@ -1,5 +1,7 @@
 r"""``StreamingFilterGuide``: the backward-factorised family in its two roles.
 
+See ``docs/math/streaming.md#backward-factorised-variational-family``.
+
     q_t(x_{1:t}) = q_t(x_t) prod_{k < t} q_{k+1}(x_k | x_{k+1})
 
 The family itself (a Gaussian filtering marginal and Gaussian backward kernels, with ``set_*``,

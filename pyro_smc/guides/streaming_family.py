@@ -1,5 +1,7 @@
 r"""The backward-factorised Gaussian family of online variational filtering (the per-step role).
 
+See ``docs/math/streaming.md#backward-factorised-variational-family``.
+
     q_t(x_{1:t}) = q_t(x_t) prod_{k < t} q_{k+1}(x_k | x_{k+1})
 
 (Campbell, Shi, Rainforth and Doucet, 2021). ``q_t(x_t)`` is a Gaussian filtering marginal with

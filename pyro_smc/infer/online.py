@@ -1,5 +1,8 @@
 r"""Online variational filtering and parameter learning, at constant cost per observation.
 
+See ``docs/math/streaming.md#value-function-and-elbo`` and
+``docs/math/streaming.md#per-step-elbo-increment``.
+
 The variational smoothing distribution is backward-factorised (:class:`~pyro_smc.guides.StreamingFilterGuide`),
 ``q_t(x_{1:t}) = q_t(x_t) prod_k q_{k+1}(x_k | x_{k+1})``, and at time ``t`` only the current
 marginal and kernel ``phi_t`` are fitted (Campbell, Shi, Rainforth and

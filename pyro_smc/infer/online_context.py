@@ -1,5 +1,7 @@
 r"""One step of the online variational filter: the model's ``step`` at fixed inputs.
 
+See ``docs/math/streaming.md#per-step-elbo-increment``.
+
 Within one observation :class:`~pyro_smc.OnlineVariationalFilter` re-runs ``model.step`` many times
 (discovery, Newton steps, every optimisation iteration, the regression), each time from the same
 starting point: the same model attributes, the same carried ``state``, the same observation and

@@ -1,5 +1,8 @@
 r"""Where each step's optimisation of the online variational filter starts.
 
+See ``docs/math/streaming.md#initialising-a-step`` and
+``docs/math/streaming.md#laplace-approximation-by-newton-steps``.
+
 Before fitting ``phi_t`` the filter may set the current marginal and kernel in closed form:
 
 * ``"predict"``: ``q_t(x_t)`` at the model's one-step prediction from ``q_{t-1}`` (its mean and,

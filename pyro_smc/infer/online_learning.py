@@ -1,5 +1,7 @@
 r"""Online learning of the model's parameters ``theta`` by the online variational filter.
 
+See ``docs/math/streaming.md#online-parameter-learning``.
+
 The variational analogue of recursive maximum likelihood: per-sample scores
 ``s_t = grad_theta [log f + log g]`` feed a regression ``S_t(x_t) ~ S_{t-1}(x_{t-1}) + s_t``,
 ``G_t = E_{q_t}[S_t]`` estimates ``grad_theta L_t`` (the gradient of the running lower bound),

@@ -1,5 +1,7 @@
 r"""The per-step objective of online variational filtering and its optimisation.
 
+See ``docs/math/streaming.md#step-objective``.
+
 With ``q_{t-1}`` frozen, the step's log-evidence increment for a pair ``(x_{t-1}, x_t)`` drawn
 from ``q_t(x_t) q_t(x_{t-1} | x_t)`` is::
 

@@ -1,5 +1,7 @@
 """Regressors for the value and score functions of online variational filtering (Campbell et al., 2021).
 
+See ``docs/math/streaming.md#value-function-regression``.
+
 At each time step the filter draws ``N`` samples ``x_i`` ``(N, d)`` with targets ``y_i`` (``(N,)`` for
 the value function ``V_t``, ``(N, P)`` for a parameter score ``S_t``), fits a regressor and then
 backpropagates through ``regressor(x)`` into reparameterised samples. Hence every regressor here

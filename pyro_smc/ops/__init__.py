@@ -4,8 +4,12 @@ Modules:
     weights: normalise log-weights, effective sample size, log-mean-exp.
     resample: multinomial, stratified and systematic ancestor indices.
     sinkhorn: batched log-domain entropic optimal transport with implicit gradients.
+    sinkhorn_solver: the forward Sinkhorn solver in stages, SinkhornResult, record_results.
+    sinkhorn_kernel: stabilised-kernel building blocks shared by the solver and the adjoint.
+    sinkhorn_unrolled: Sinkhorn for gradient="unroll" (log domain, under autograd).
     ensemble: the differentiable ensemble transform (OT resampling) as one fused autograd op.
     kalman: Kalman predict/update/RTS steps and the exact log-evidence.
+    results: the typed results every engine returns (one name, log_evidence, for the evidence).
     gaussian: moment and natural forms of Gaussians, products, division, damping, PSD checks.
     unscented: sigma points and the unscented transform.
     gp_moments: SE-ARD GP predictions, Jacobians and exact moments at Gaussian inputs.

@@ -1,5 +1,8 @@
 r"""Batched log-domain entropic optimal transport (Sinkhorn) with exact implicit gradients.
 
+See ``docs/math/smc.md#entropy-regularised-optimal-transport`` and
+``docs/math/smc.md#implicit-differentiation`` and ``docs/math/smc.md#gradient-modes``.
+
 Between a source measure ``a`` on points ``x_i`` and a target ``b`` on ``y_j`` with cost
 ``C_ij``, entropy-regularised OT solves
 

@@ -1,5 +1,7 @@
 r"""Building blocks of log-stabilised Sinkhorn: batched mat-vecs, c-transforms, empty points.
 
+See ``docs/math/smc.md#sinkhorn-in-the-log-domain``.
+
 The plan of a Sinkhorn iterate is ``P = diag(a u) K diag(b v)`` with the stabilised kernel
 ``K_ij = exp((f_i + g_j - C_ij) / eps)``: the potentials ``f, g`` hold what has been absorbed
 and the scalings ``u, v`` stay O(1). This module holds the pieces every stage of the solver

@@ -1,5 +1,7 @@
 r"""The forward Sinkhorn solver: epsilon scaling, stabilised kernel iterations, a typed result.
 
+See ``docs/math/smc.md#sinkhorn-in-the-log-domain`` and ``docs/math/smc.md#epsilon-scaling``.
+
 The solver behind :func:`pyro_smc.ops.sinkhorn.sinkhorn` (whose docstring describes the
 algorithm and its gradients), cut into the stages of one solve:
 
