@@ -52,46 +52,32 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
 import torch
-from pyro.infer.smcfilter import SMCFailed
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from torch.distributions import Distribution
-from torch.distributions.utils import lazy_property
-
 from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
+from pyro_smc.infer.smc_checks import (
+    NonReparameterizedGradientWarning,
+    check_finite_args,
+    check_positive_int,
+    is_missing,
+    warn_non_reparameterized,
+)
+from pyro_smc.infer.smc_weights import ParticleLayout, SMCFailedError, centred_increment, failure, log_weight_terms
 from pyro_smc.ops.results import SMCResult
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
-from pyro_smc.tracing import is_latent, is_scored, module_context, site_log_probs
+from pyro_smc.tracing import module_context
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
-
-
-class SMCFailedError(SMCFailed):
-    """Every particle of a filter has zero weight (or the weights are NaN).
-
-    A ``ValueError`` (through ``pyro.infer.smcfilter.SMCFailed``), so code that catches Pyro's
-    exception catches this one too.
-    """
-
-
-class NonReparameterizedGradientWarning(UserWarning):
-    """A proposal site without ``rsample`` draws from a distribution whose parameters require grad.
-
-    Its draws are not differentiable, and ``log_evidence`` carries no score-function terms for
-    them, so parameters that act only through the site's distribution get no gradient (or a
-    biased one). Emitted once per site-name prefix and run while grad mode is on.
-    """
 
 
 class SMCState(dict):
@@ -113,12 +99,6 @@ class SMCState(dict):
         if self._locked:
             raise RuntimeError("Guide cannot write to SMC state; only the model may")
         super().__setitem__(key, value)
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 class SMC:
@@ -160,8 +140,8 @@ class SMC:
         max_plate_nesting: int = 0,
         progress_bar: bool = False,
     ):
-        self.num_particles = _check_positive_int("num_particles", num_particles)
-        self.num_filters = _check_positive_int("num_filters", num_filters)
+        self.num_particles = check_positive_int("num_particles", num_particles)
+        self.num_filters = check_positive_int("num_filters", num_filters)
         if isinstance(max_plate_nesting, bool) or not isinstance(max_plate_nesting, int) or max_plate_nesting < 0:
             raise ValueError(f"max_plate_nesting must be an integer >= 0, got {max_plate_nesting!r}")
         if not (isinstance(ess_threshold, (int, float)) and 0 < ess_threshold <= 1):
@@ -182,10 +162,12 @@ class SMC:
 
     # --- public loop --------------------------------------------------------------------------
     @property
+    def _layout(self) -> ParticleLayout:
+        return ParticleLayout(self.num_filters, self.num_particles, self.max_plate_nesting)
+
+    @property
     def _particle_shape(self) -> tuple[int, ...]:
-        if self.num_filters > 1:
-            return (self.num_filters, self.num_particles)
-        return (self.num_particles,)
+        return self._layout.particle_shape
 
     def _reset(self) -> None:
         self.state = SMCState()
@@ -213,7 +195,7 @@ class SMC:
     def init(self, *args, **kwargs) -> SMC:
         """Starts new filters: runs ``model.init`` (and ``guide.init``) on fresh particles."""
         self._reset()
-        _check_finite_args(args, kwargs, "init")
+        check_finite_args(args, kwargs, "init")
         self._propagate(self.model.init, self.guide.init if self.guide is not None else None, args, kwargs, "init")
         self._initialized = True
         return self
@@ -226,8 +208,8 @@ class SMC:
         called, since it may need the observation) and no observed site is scored, so the
         weights and ``log_evidence`` do not change. A partly-NaN or infinite argument is an error.
         """
-        missing = _is_missing(args)
-        _check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
+        missing = is_missing(args)
+        check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
         return self._step(args, kwargs, missing)
 
     def _step(self, args, kwargs, predict_only: bool = False) -> SMC:
@@ -258,7 +240,7 @@ class SMC:
             missing = (torch.isnan(flat).all(-1) & (flat.shape[-1] > 0)).tolist()
             for t in (~torch.isfinite(flat).all(-1)).nonzero()[:, 0].tolist():
                 if not missing[t]:
-                    _check_finite_args((observations[t],), {}, f"time step {t}")
+                    check_finite_args((observations[t],), {}, f"time step {t}")
         self.init(*args, **kwargs)
         for t in tqdm(range(observations.shape[0]), desc="SMC", disable=not self.progress_bar, leave=False):
             # Observations were checked above, all at once.
@@ -398,8 +380,8 @@ class SMC:
                     f"to the number of plates the model nests inside a step"
                 ) from error
         if torch.is_grad_enabled():
-            self._warn_non_reparameterized(model_trace, guide_trace, where)
-        terms = self._log_weight_terms(model_trace, guide_trace, predict_only)
+            warn_non_reparameterized(model_trace, guide_trace, where, self._warned_sites)
+        terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only)
         self._check_state(where)
         if not terms:
             # Nothing was scored (e.g. an init that only sets up bookkeeping).
@@ -408,13 +390,13 @@ class SMC:
             if self.log_weights is not None:
                 self._record(where)
             return
-        increment, offset = self._centred_increment(terms)
+        increment, offset = centred_increment(terms, self._layout)
         if self.log_weights is None:
             self._init_weights(increment)
         joint = self.log_weights + increment
         log_norm = torch.logsumexp(joint, dim=-1)
         if not bool(torch.isfinite(log_norm).all()):
-            raise self._failure(terms, where)
+            raise failure(terms, self._layout, where)
         self.log_weights = joint - log_norm.unsqueeze(-1)
         increment = log_norm + offset
         self.log_evidence = self.log_evidence + increment
@@ -422,127 +404,11 @@ class SMC:
         self._unrecorded_increment = increment if pending is None else pending + increment
         self._record(where)
 
-    def _centred_increment(self, terms: list[tuple[str, Tensor]]) -> tuple[Tensor, Tensor]:
-        """``log omega`` up to a constant per filter, and that constant.
-
-        Each site's term is shifted by its per-filter maximum over particles before the terms
-        are summed. A term that is large but (nearly) the same for every particle, e.g. a
-        ``pyro.factor`` constant or an unnormalised density, would otherwise round away the
-        per-particle differences of the others: the float32 spacing at ``1e8`` is 8. A constant
-        per filter cancels in the normalised weights, so the shifts are needed only for the
-        log-evidence, where the caller adds them back.
-
-        The shifts are detached constants: ``logsumexp(log w + sum_k (term_k - m_k)) + sum_k m_k``
-        then has the value *and* the gradient of ``logsumexp(log w + sum_k term_k)``, the
-        gradient flowing through the centred terms (adding back an un-detached ``m_k`` would
-        count ``d m_k`` twice).
-
-        Returns:
-            ``(increment, offset)``: the centred sum ``(B, N)`` and the summed shifts ``(B,)``.
-        """
-        increment = offset = None
-        for _, term in terms:
-            term = term.expand(self._particle_shape).reshape(self.num_filters, self.num_particles)
-            shift = term.detach().amax(-1)
-            # A row without a finite maximum (all -inf, NaN or +inf) stays unshifted, so the
-            # failure check after the logsumexp still sees it.
-            shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-            centred = term - shift.unsqueeze(-1)
-            increment = centred if increment is None else increment + centred
-            offset = shift if offset is None else offset + shift
-        return increment, offset
-
     def _init_weights(self, like: Tensor) -> None:
         dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
         shape = (self.num_filters, self.num_particles)
         self.log_weights = torch.full(shape, -math.log(self.num_particles), dtype=dtype, device=like.device)
         self.log_evidence = torch.zeros(self.num_filters, dtype=dtype, device=like.device)
-
-    def _warn_non_reparameterized(self, model_trace, guide_trace, where: str) -> None:
-        """Warns about proposal sites whose draws cannot carry the gradient of their parameters.
-
-        The proposal is the guide's latent sites plus the model's latent sites the guide does not
-        sample (those are drawn from the model's own transition). A bootstrap site contributes
-        ``p / p = 1`` to the weight, so without ``rsample`` its parameters vanish from
-        ``log_evidence`` entirely; a guide site keeps only its ``-log q`` term. Warned once per
-        site-name prefix (``z_3`` and ``z_4`` are one site over time) and run.
-        """
-        proposal = [] if guide_trace is None else list(guide_trace.nodes.values())
-        proposal += [site for name, site in model_trace.nodes.items() if guide_trace is None or name not in guide_trace.nodes]
-        for site in proposal:
-            if not is_latent(site):
-                continue
-            fn = site["fn"]
-            if getattr(fn, "has_rsample", True):
-                continue
-            prefix = re.sub(r"[_\d]+$", "", site["name"]) or site["name"]
-            if prefix in self._warned_sites or not any(p.requires_grad for p in _distribution_parameters(fn)):
-                continue
-            self._warned_sites.add(prefix)
-            warnings.warn(
-                NonReparameterizedGradientWarning(
-                    f"at {where}: site '{site['name']}' ({_distribution_name(fn)}) is not reparameterised; "
-                    f"the gradient of log_evidence does not include the score-function terms of its draws, "
-                    f"so parameters that act only through this site get no (or a biased) gradient; use a "
-                    f"reparameterisable or relaxed proposal, or marginalise the discrete variable"
-                ),
-                stacklevel=2,
-            )
-
-    def _log_weight_terms(self, model_trace, guide_trace, predict_only: bool = False) -> list[tuple[str, Tensor]]:
-        """Per-site contributions to ``log omega``, each reduced to the particle shape.
-
-        Observed sites give ``log g``; latent sites the guide proposed give ``log f - log q``; a
-        latent site drawn from the model's own prior contributes ``f / f = 1`` and is not scored.
-        In a predict-only step the observed sites are not scored either.
-        """
-        if guide_trace is not None:
-            for name, site in guide_trace.nodes.items():
-                if is_scored(site) and name not in model_trace.nodes:
-                    raise ValueError(f"guide samples site '{name}' that the model does not have")
-        proposed = set() if guide_trace is None else {name for name, site in guide_trace.nodes.items() if is_scored(site)}
-        scored = [
-            name
-            for name, site in model_trace.nodes.items()
-            if is_scored(site) and ((site["is_observed"] and not predict_only) or (not site["is_observed"] and name in proposed))
-        ]
-        log_p = site_log_probs(model_trace, scored)
-        log_q = {} if guide_trace is None else site_log_probs(guide_trace, [name for name in scored if name in proposed])
-        terms = []
-        for name in scored:
-            term = self._per_particle(log_p[name], model_trace.nodes[name])
-            if name in log_q:
-                term = term - self._per_particle(log_q[name], guide_trace.nodes[name])
-            terms.append((name, term))
-        return terms
-
-    def _per_particle(self, log_p: Tensor, site: dict) -> Tensor:
-        """A site's log-density summed over the model's own plates: one number per particle."""
-        if not isinstance(log_p, Tensor):
-            log_p = torch.as_tensor(log_p)
-        mpn = self.max_plate_nesting
-        # The model's own plates sit right of the particle dims.
-        if mpn and log_p.dim() > 0:
-            log_p = log_p.reshape(log_p.shape[: max(log_p.dim() - mpn, 0)] + (-1,)).sum(-1)
-        if log_p.dim() > len(self._particle_shape):
-            raise ValueError(
-                f"site '{site['name']}' has batch shape {tuple(site['fn'].batch_shape)}: dims left of the "
-                f"particle plate; set max_plate_nesting (now {mpn}) to the number of plates the model uses"
-            )
-        return log_p
-
-    def _failure(self, terms, where: str) -> SMCFailedError:
-        total = 0
-        culprit = terms[-1][0]
-        for name, term in terms:
-            total = total + term.expand(self._particle_shape).reshape(self.num_filters, self.num_particles)
-            bad = torch.isnan(total).any(-1) | ~(total.max(-1).values > -math.inf)
-            if bool(bad.any()):
-                culprit = name
-                break
-        return SMCFailedError(
-            f"SMC failed at {where}: every particle of a filter has zero weight (or NaN weights) after site '{culprit}'"
-        )
 
     def _check_state(self, where: str) -> None:
         shape = self._particle_shape
@@ -634,63 +500,3 @@ class SMC:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
 
 
-def _distribution_parameters(fn: Distribution) -> Iterator[Tensor]:
-    """The parameter tensors of ``fn`` and of every distribution it wraps.
-
-    Parameters are the tensors named by each distribution's ``arg_constraints``; wrappers
-    (``Independent``, ``MaskedDistribution``, ``ExpandedDistribution``, transformed and mixture
-    distributions) hold the distributions they wrap as attributes, which are searched in turn.
-    """
-    stack, seen = [fn], set()
-    while stack:
-        d = stack.pop()
-        if id(d) in seen:
-            continue
-        seen.add(id(d))
-        attributes = vars(d)
-        try:
-            names = list(d.arg_constraints)
-        except NotImplementedError:
-            names = []
-        for name in names:
-            value = attributes.get(name)
-            # A lazy property (Categorical.logits of a probs-built Categorical) is not computed
-            # just to be looked at; its source parameter is in the instance dict.
-            if value is None and not isinstance(getattr(type(d), name, None), lazy_property):
-                try:
-                    value = getattr(d, name, None)
-                except Exception:  # a property that cannot be computed is not a parameter we can check
-                    value = None
-            if isinstance(value, Tensor):
-                yield value
-        stack.extend(value for value in attributes.values() if isinstance(value, Distribution))
-
-
-def _distribution_name(fn: Distribution) -> str:
-    """``Categorical``, or ``Independent(Categorical)`` for a wrapper chain."""
-    names = [type(fn).__name__]
-    while isinstance(getattr(fn, "base_dist", None), Distribution):
-        fn = fn.base_dist
-        names.append(type(fn).__name__)
-    return "(".join(names) + ")" * (len(names) - 1)
-
-
-def _check_finite_args(args, kwargs, where: str) -> None:
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            if bool(torch.isinf(value).any()):
-                raise ValueError(f"observation at {where} contains inf")
-            raise ValueError(
-                f"observation at {where} is partly NaN; a wholly missing observation (None or all-NaN) "
-                f"is a predict-only step, a partly missing one is not supported by SMC"
-            )
-
-
-def _is_missing(args) -> bool:
-    """Whether a step's observation (its first positional argument) is missing: ``None`` or all-NaN."""
-    if not args:
-        return False
-    y = args[0]
-    if y is None:
-        return True
-    return isinstance(y, Tensor) and y.is_floating_point() and y.numel() > 0 and bool(torch.isnan(y).all())

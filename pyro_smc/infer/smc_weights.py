@@ -1,0 +1,164 @@
+"""The incremental importance weight of one SMC step, read off the model's and guide's traces.
+
+One step's weight is ``log omega = log f(x_t | x_{t-1}) + log g(y_t | x_t) - log q(x_t | ...)``:
+observed sites give ``log g``; latent sites the guide proposed give ``log f - log q``; a latent site
+drawn from the model's own transition contributes ``f / f = 1`` and is not scored. Every term is
+reduced to one number per particle (the model's own plates summed) and centred per filter before
+the terms are added, so a huge constant term cannot round the per-particle differences away.
+
+See ``docs/math/smc.md#one-step-of-the-filter`` and ``docs/math/smc.md#log-evidence-estimate``.
+
+Example:
+    >>> import torch
+    >>> layout = ParticleLayout(num_filters=2, num_particles=3, max_plate_nesting=0)
+    >>> terms = [("y_0", torch.tensor([[1e8, 1e8 + 1, 1e8], [0.0, 0.0, 0.0]], dtype=torch.float64))]
+    >>> increment, offset = centred_increment(terms, layout)
+    >>> increment.tolist(), offset.tolist()
+    ([[-1.0, 0.0, -1.0], [0.0, 0.0, 0.0]], [100000001.0, 0.0])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from pyro.infer.smcfilter import SMCFailed
+from pyro.poutine.trace_struct import Trace
+from torch import Tensor
+
+from pyro_smc.tracing import is_scored, site_log_probs
+
+__all__ = ["ParticleLayout", "SMCFailedError", "centred_increment", "failure", "log_weight_terms"]
+
+
+class SMCFailedError(SMCFailed):
+    """Every particle of a filter has zero weight (or the weights are NaN).
+
+    A ``ValueError`` (through ``pyro.infer.smcfilter.SMCFailed``), so code that catches Pyro's
+    exception catches this one too.
+    """
+
+
+@dataclass(frozen=True)
+class ParticleLayout:
+    """Where the particles sit in a site's batch shape.
+
+    Attributes:
+        num_filters: ``B`` independent filters (an outer plate when ``B > 1``).
+        num_particles: ``N`` particles per filter.
+        max_plate_nesting: plates the model nests inside a step, right of the particle dims.
+    """
+
+    num_filters: int
+    num_particles: int
+    max_plate_nesting: int
+
+    @property
+    def particle_shape(self) -> tuple[int, ...]:
+        """``(B, N)``, or ``(N,)`` with one filter (exactly as under ``SMCFilter``)."""
+        if self.num_filters > 1:
+            return (self.num_filters, self.num_particles)
+        return (self.num_particles,)
+
+    def batched(self, term: Tensor) -> Tensor:
+        """A per-particle term as ``(B, N)``."""
+        return term.expand(self.particle_shape).reshape(self.num_filters, self.num_particles)
+
+
+def log_weight_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout, predict_only: bool = False) -> list[tuple[str, Tensor]]:
+    """Per-site contributions to ``log omega``, each reduced to the particle shape.
+
+    Args:
+        model_trace: the model's step, replayed on the guide's draws.
+        guide_trace: the guide's step, or ``None`` for a bootstrap step.
+        layout: the particle dims.
+        predict_only: a step without an observation: observed sites are not scored either.
+
+    Returns:
+        ``[(site name, term)]`` in the model's order, each term of ``layout.particle_shape``.
+
+    Raises:
+        ValueError: the guide samples a site the model does not have, or a site has batch dims
+            left of the particle plate.
+    """
+    if guide_trace is not None:
+        for name, site in guide_trace.nodes.items():
+            if is_scored(site) and name not in model_trace.nodes:
+                raise ValueError(f"guide samples site '{name}' that the model does not have")
+    proposed = set() if guide_trace is None else {name for name, site in guide_trace.nodes.items() if is_scored(site)}
+    scored = [
+        name
+        for name, site in model_trace.nodes.items()
+        if is_scored(site) and ((site["is_observed"] and not predict_only) or (not site["is_observed"] and name in proposed))
+    ]
+    log_p = site_log_probs(model_trace, scored)
+    log_q = {} if guide_trace is None else site_log_probs(guide_trace, [name for name in scored if name in proposed])
+    terms = []
+    for name in scored:
+        term = _per_particle(log_p[name], model_trace.nodes[name], layout)
+        if name in log_q:
+            term = term - _per_particle(log_q[name], guide_trace.nodes[name], layout)
+        terms.append((name, term))
+    return terms
+
+
+def _per_particle(log_p: Tensor, site: dict, layout: ParticleLayout) -> Tensor:
+    """A site's log-density summed over the model's own plates: one number per particle."""
+    if not isinstance(log_p, Tensor):
+        log_p = torch.as_tensor(log_p)
+    mpn = layout.max_plate_nesting
+    # The model's own plates sit right of the particle dims.
+    if mpn and log_p.dim() > 0:
+        log_p = log_p.reshape(log_p.shape[: max(log_p.dim() - mpn, 0)] + (-1,)).sum(-1)
+    if log_p.dim() > len(layout.particle_shape):
+        raise ValueError(
+            f"site '{site['name']}' has batch shape {tuple(site['fn'].batch_shape)}: dims left of the "
+            f"particle plate; set max_plate_nesting (now {mpn}) to the number of plates the model uses"
+        )
+    return log_p
+
+
+def centred_increment(terms: list[tuple[str, Tensor]], layout: ParticleLayout) -> tuple[Tensor, Tensor]:
+    """``log omega`` up to a constant per filter, and that constant.
+
+    Each site's term is shifted by its per-filter maximum over particles before the terms
+    are summed. A term that is large but (nearly) the same for every particle, e.g. a
+    ``pyro.factor`` constant or an unnormalised density, would otherwise round away the
+    per-particle differences of the others: the float32 spacing at ``1e8`` is 8. A constant
+    per filter cancels in the normalised weights, so the shifts are needed only for the
+    log-evidence, where the caller adds them back.
+
+    The shifts are detached constants: ``logsumexp(log w + sum_k (term_k - m_k)) + sum_k m_k``
+    then has the value *and* the gradient of ``logsumexp(log w + sum_k term_k)``, the
+    gradient flowing through the centred terms (adding back an un-detached ``m_k`` would
+    count ``d m_k`` twice).
+
+    Returns:
+        ``(increment, offset)``: the centred sum ``(B, N)`` and the summed shifts ``(B,)``.
+    """
+    increment = offset = None
+    for _, term in terms:
+        term = layout.batched(term)
+        shift = term.detach().amax(-1)
+        # A row without a finite maximum (all -inf, NaN or +inf) stays unshifted, so the
+        # failure check after the logsumexp still sees it.
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        centred = term - shift.unsqueeze(-1)
+        increment = centred if increment is None else increment + centred
+        offset = shift if offset is None else offset + shift
+    return increment, offset
+
+
+def failure(terms: list[tuple[str, Tensor]], layout: ParticleLayout, where: str) -> SMCFailedError:
+    """The error for a step after which a filter has no finite weight, naming the first site
+    whose running sum of terms made it so."""
+    total = 0
+    culprit = terms[-1][0]
+    for name, term in terms:
+        total = total + layout.batched(term)
+        bad = torch.isnan(total).any(-1) | ~(total.max(-1).values > -math.inf)
+        if bool(bad.any()):
+            culprit = name
+            break
+    return SMCFailedError(f"SMC failed at {where}: every particle of a filter has zero weight (or NaN weights) after site '{culprit}'")
