@@ -168,63 +168,14 @@ class EPSmoother:
         ssm = self.ssm
         ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
         status = observation_status(observed)
-        T, d = ys.shape[0], ssm.state_dim
-        zero = (ssm.init_mean.new_zeros(d), ssm.init_mean.new_zeros(d, d))
-        fwd = [to_natural(ssm.init_mean, ssm.init_cov)] + [zero] * (T - 1)
-        meas, bwd = [zero] * T, [zero] * T
-
-        def marginal(t: int, skip: dict | None = None, alpha: float = 1.0) -> Natural:
-            # q(x_t) with the message named in `skip` raised to 1 - alpha (the cavity).
-            parts = {"fwd": fwd[t], "meas": meas[t], "bwd": bwd[t]}
-            eta = sum((1 - alpha if k == skip else 1.0) * v[0] for k, v in parts.items())
-            lam = sum((1 - alpha if k == skip else 1.0) * v[1] for k, v in parts.items())
-            return eta, lam
-
+        sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), ys.shape[0], ssm.state_dim)
         history: list[EPIteration] = []
         first_sweep, previous, converged = None, None, False
         for sweep in range(self.max_iter):
             alpha = 1.0 if sweep == 0 else self.power
             gamma = 1.0 if sweep == 0 else self.damping
-            skipped = 0
-
-            def accept(messages: list, t: int, new: Natural, g: float = gamma) -> None:
-                nonlocal skipped
-                old = messages[t]
-                for _ in range(4):
-                    messages[t] = damp(old, new, g)
-                    if bool(is_proper(marginal(t)[1])):
-                        return
-                    g /= 2
-                messages[t] = old
-                skipped += 1
-
-            # The backward update at t uses the same cavity q(t) / q_bwd(t)^alpha as the forward
-            # update at t + 1 (neither q_fwd(t), q_meas(t) nor q_bwd(t) changes in between), so
-            # each transition is projected once per sweep.
-            transitions: list = [None] * T
-            for t in range(T):
-                if t > 0:
-                    cavity = marginal(t - 1, "bwd", alpha)
-                    if bool(is_proper(cavity[1])):
-                        transitions[t - 1] = self._transition(cavity, t - 1)
-                        accept(fwd, t, self._forward(transitions[t - 1], alpha))
-                    else:
-                        skipped += 1
-                if status[t]:
-                    cavity = marginal(t, "meas", alpha)
-                    if bool(is_proper(cavity[1])):
-                        accept(meas, t, self._measurement(cavity, ys[t], observed[t] if status[t] == 1 else None, t))
-                    else:
-                        skipped += 1
-            for t in range(T - 2, -1, -1):
-                if transitions[t] is None:  # its cavity was improper in the forward sweep
-                    skipped += 1
-                    continue
-                accept(bwd, t, self._backward(transitions[t], marginal(t + 1, "fwd", alpha), alpha))
-
-            moments = [to_moment(*marginal(t)) for t in range(T)]
-            means = torch.stack([m for m, _ in moments])
-            covs = torch.stack([P for _, P in moments])
+            skipped = self._sweep(sites, ys, observed, status, alpha, gamma)
+            means, covs = sites.moments()
             change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
             history.append(EPIteration(change, skipped))
             if sweep == 0:
@@ -234,3 +185,68 @@ class EPSmoother:
                 converged = True
                 break
         return GaussianSmootherResult(means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged)
+
+    def _sweep(self, sites: _Sites, ys: Tensor, observed: Tensor, status: list, alpha: float, gamma: float) -> int:
+        """One forward-backward pass of site updates; returns the number of updates skipped
+        because a cavity or the updated marginal was not a proper Gaussian."""
+        skipped = 0
+        T = ys.shape[0]
+        # The backward update at t uses the same cavity q(t) / q_bwd(t)^alpha as the forward
+        # update at t + 1 (neither q_fwd(t), q_meas(t) nor q_bwd(t) changes in between), so
+        # each transition is projected once per sweep.
+        transitions: list = [None] * T
+        for t in range(T):
+            if t > 0:
+                cavity = sites.marginal(t - 1, "bwd", alpha)
+                if bool(is_proper(cavity[1])):
+                    transitions[t - 1] = self._transition(cavity, t - 1)
+                    skipped += not sites.accept("fwd", t, self._forward(transitions[t - 1], alpha), gamma)
+                else:
+                    skipped += 1
+            if status[t]:
+                cavity = sites.marginal(t, "meas", alpha)
+                if bool(is_proper(cavity[1])):
+                    update = self._measurement(cavity, ys[t], observed[t] if status[t] == 1 else None, t)
+                    skipped += not sites.accept("meas", t, update, gamma)
+                else:
+                    skipped += 1
+        for t in range(T - 2, -1, -1):
+            if transitions[t] is None:  # its cavity was improper in the forward sweep
+                skipped += 1
+                continue
+            skipped += not sites.accept("bwd", t, self._backward(transitions[t], sites.marginal(t + 1, "fwd", alpha), alpha), gamma)
+        return skipped
+
+
+class _Sites:
+    """EP's three Gaussian site messages per time step, in natural form: ``fwd`` (the transition
+    from ``t - 1``), ``meas`` (the observation) and ``bwd`` (the transition to ``t + 1``)."""
+
+    def __init__(self, prior: Natural, T: int, d: int):
+        zero = (prior[0].new_zeros(d), prior[0].new_zeros(d, d))
+        self.messages = {"fwd": [prior] + [zero] * (T - 1), "meas": [zero] * T, "bwd": [zero] * T}
+
+    def marginal(self, t: int, skip: str | None = None, alpha: float = 1.0) -> Natural:
+        """``q(x_t)``, with the message named ``skip`` raised to ``1 - alpha`` (the cavity)."""
+        parts = {k: v[t] for k, v in self.messages.items()}
+        eta = sum((1 - alpha if k == skip else 1.0) * v[0] for k, v in parts.items())
+        lam = sum((1 - alpha if k == skip else 1.0) * v[1] for k, v in parts.items())
+        return eta, lam
+
+    def accept(self, kind: str, t: int, new: Natural, gamma: float) -> bool:
+        """Damps message ``kind`` at ``t`` towards ``new``, halving the step up to four times until
+        the marginal is proper; keeps the old message and returns ``False`` if it never is."""
+        messages = self.messages[kind]
+        old = messages[t]
+        for _ in range(4):
+            messages[t] = damp(old, new, gamma)
+            if bool(is_proper(self.marginal(t)[1])):
+                return True
+            gamma /= 2
+        messages[t] = old
+        return False
+
+    def moments(self) -> tuple[Tensor, Tensor]:
+        """The marginals' means ``(T, d)`` and covariances ``(T, d, d)``."""
+        moments = [to_moment(*self.marginal(t)) for t in range(len(self.messages["fwd"]))]
+        return torch.stack([m for m, _ in moments]), torch.stack([P for _, P in moments])
