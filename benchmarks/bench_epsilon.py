@@ -27,7 +27,7 @@ from _common import SUMMARY_KEY, generic_cells, summary_record  # noqa: E402
 from pyro_smc.models import LinearGaussianSSM  # noqa: E402
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning  # noqa: E402
 from pyro_smc.resamplers import OTResampler  # noqa: E402
-from tests.infer.test_ot_gradients import per_run_gradients, simulate  # noqa: E402
+from tests.infer.sharp_ar1 import per_run_gradients, simulate  # noqa: E402
 
 
 def exact(ys: torch.Tensor, theta: float) -> tuple[float, float]:
@@ -36,17 +36,6 @@ def exact(ys: torch.Tensor, theta: float) -> tuple[float, float]:
     ll = LinearGaussianSSM(th * one, one, one, 0.09 * one, torch.zeros(1, dtype=torch.float64), one).log_evidence(ys.reshape(-1, 1))
     (grad,) = torch.autograd.grad(ll, th)
     return float(ll.detach()), float(grad)
-
-
-def summary_cells(d: dict) -> dict:
-    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
-
-    The generic reading of its method -> metrics table (``_common.generic_cells``); the prefix says
-    that the row was not laid out for this benchmark.
-    """
-    cells = generic_cells(d)
-    cells["ours"] = "(no dedicated extractor) " + cells["ours"]
-    return cells
 
 
 def main() -> None:
@@ -85,7 +74,7 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results" / f"bench_epsilon{'.quick' if args.quick else ''}.json"
     settings = {"runs": runs, "T": steps, "num_particles": 100, "dtype": "float32", "theta": args.theta, "seed": 7, "data_seed": 0}
     data = {"settings": settings, "exact": {"log_likelihood": log_lik, "score": score}, "results": results}
-    data[SUMMARY_KEY] = summary_record(out.name[: -len(".json")], data, summary_cells)
+    data[SUMMARY_KEY] = summary_record(out.name[: -len(".json")], data, generic_cells)
     out.write_text(json.dumps(data, indent=1))
 
 

@@ -367,17 +367,6 @@ def fmt_vec(v):
     return v[0] if len(v) == 1 else "(" + ", ".join(f"{x:.1f}" for x in v) + ")"
 
 
-def summary_cells(d: dict) -> dict:
-    """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
-
-    The generic reading of its method -> metrics table (``_common.generic_cells``); the prefix says
-    that the row was not laid out for this benchmark.
-    """
-    cells = generic_cells(d)
-    cells["ours"] = "(no dedicated extractor) " + cells["ours"]
-    return cells
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -484,7 +473,7 @@ def main():
             "goal": {"text": goal_text, "met": bool(goals) and all(g["met"] for g in goals.values()) and done, "per_group": goals},
             "summary_group": f"{head['model']} theta={head['theta']:g} {head['dtype']}", "summary": summary,
             "finished": done, "wall_s": time.perf_counter() - start, **git, "library_sha256": fingerprint,
-        }, summary=summary_cells)
+        }, summary=generic_cells)
 
     if args.workers > 1:
         pool = mp.get_context("fork").Pool(args.workers)
