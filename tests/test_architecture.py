@@ -103,14 +103,6 @@ CROSS_CUTTING = {
     "test_math_docs.py",
     "guides/test_autoguide_conformance.py",  # every guide against Pyro's AutoGuide contract
 }
-# Module tests that wait for their destination file to be free (issue 13, phase 2). Remove an
-# entry when its file moves; a file listed here and absent is ignored.
-PENDING = {
-    "test_properties.py",  # -> test_resamplers.py, ops/test_sinkhorn.py, test_regression.py
-    "test_robustness.py",  # -> infer/test_ep_smoother.py, infer/test_online.py, test_resamplers.py, ops/test_kalman.py, models/
-    "test_chaotic_rnn.py",  # -> models/test_chaotic_rnn.py
-    "infer/test_ot_gradients.py",  # -> infer/test_smc_ot_gradients.py (benchmarks/bench_epsilon.py imports it)
-}
 
 
 def _tested_module(test_file: str, package: pathlib.Path = PACKAGE) -> pathlib.Path | None:
@@ -124,7 +116,7 @@ def _tested_module(test_file: str, package: pathlib.Path = PACKAGE) -> pathlib.P
 
 
 def _misplaced(test_files) -> list[str]:
-    return sorted(f for f in test_files if f not in CROSS_CUTTING | PENDING and _tested_module(f) is None)
+    return sorted(f for f in test_files if f not in CROSS_CUTTING and _tested_module(f) is None)
 
 
 TEST_FILES = sorted(p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py"))

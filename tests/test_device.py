@@ -241,7 +241,8 @@ def test_matrix_normal(opts):
 @pytest.mark.parametrize("regressor", ["quadratic", "kernel", "mlp"])
 def test_online_filter_with_parameter_learning(opts, regressor):
     """Filtering means within 0.5 posterior sd of Kalman's (the tolerance of
-    tests/test_robustness.py), with online parameter learning and a checkpoint on the way."""
+    tests/infer/test_online.py::test_online_filter_matches_kalman_in_both_dtypes), with online
+    parameter learning and a checkpoint on the way."""
     true = DiagonalLinearGaussianSSM(torch.full((2,), 0.8, **opts), torch.ones(2, **opts), 0.5, 0.3)
     ys = true.as_linear_gaussian().simulate(6, generator=torch.Generator(device=opts["device"]).manual_seed(0))[1]
     model = DiagonalLinearGaussianSSM(torch.full((2,), 0.8, **opts), torch.ones(2, **opts), 0.5, 0.3)

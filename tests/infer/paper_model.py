@@ -34,7 +34,7 @@ class DiagLinearGaussian(PyroModule):
 
 def kalman_log_evidence(theta, ys):
     eye = torch.eye(theta.shape[-1], dtype=ys.dtype)
-    return kalman_filter(ys, torch.diag(theta), eye, eye, 0.1 * eye, torch.zeros_like(theta), eye).log_likelihoods.sum()
+    return kalman_filter(ys, torch.diag(theta), eye, eye, 0.1 * eye, torch.zeros_like(theta), eye).log_evidence
 
 
 def simulate(theta, T, seed):

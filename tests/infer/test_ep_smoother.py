@@ -12,6 +12,7 @@ from pyro_smc.infer.gaussian_smoothers import extended_rts_smoother, unscented_r
 from pyro_smc.infer.projections import Unscented
 from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM
 from pyro_smc.ops.gaussian import is_proper
+from tests.cases import ar1_ssm, as_float64
 from tests.tolerances import EXACT_ATOL, MC_SIGMAS
 
 PROJECTIONS = ["linearization", "unscented", "moment_matching"]
@@ -260,3 +261,38 @@ def test_deprecated_unscented_dicts_still_work():
     with pytest.warns(FutureWarning, match="Unscented"):
         kw = unscented_rts_smoother(ssm, ys, kappa=2.0)
     assert torch.equal(kw.means, unscented_rts_smoother(ssm, ys, Unscented(kappa=2.0)).means)
+
+
+# =================================================================================================
+# float32 and T = 10^4
+# =================================================================================================
+@pytest.mark.parametrize("projection", ["linearization", "unscented"])
+def test_ep_smoother_float32_linear_model_equals_rts(projection):
+    """float64 is covered by test_linear_gaussian_ep_is_exact_after_one_sweep above; here the same identity in float32,
+    against the float64 RTS smoother, to float32 accuracy (relative 1e-4 of the posterior scale)."""
+    torch.set_default_dtype(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    d, e = 3, 2
+    A = 0.3 * torch.randn(d, d, generator=g) + 0.5 * torch.eye(d)
+    C = torch.randn(e, d, generator=g)
+    lin = LinearGaussianSSM(A, 0.5 * torch.eye(d), C, 0.2 * torch.eye(e), torch.randn(d, generator=g), torch.eye(d))
+    _, ys = lin.simulate(30, generator=g)
+    out = EPSmoother(lin, projection=projection, max_iter=3).smooth(ys)
+    assert out.means.dtype == torch.float32 and out.covariances.dtype == torch.float32
+    assert torch.isfinite(out.means).all() and torch.isfinite(out.covariances).all()
+    rts = as_float64(lin).rts_smoother(ys.double())
+    scale = float(rts.covariances.diagonal(dim1=-2, dim2=-1).sqrt().max())
+    assert (out.means.double() - rts.means).abs().max() < 1e-4 * max(scale, float(rts.means.abs().max()))
+    assert (out.covariances.double() - rts.covariances).abs().max() < 1e-4 * scale**2
+    assert (out.first_sweep.means.double() - rts.means).abs().max() < 1e-4 * max(scale, float(rts.means.abs().max()))
+
+
+def test_kalman_rts_and_ep_smoother_at_T_1e4():
+    ssm = ar1_ssm()
+    _, ys = ssm.simulate(10_000, generator=torch.Generator().manual_seed(1))
+    rts = ssm.rts_smoother(ys)
+    assert torch.isfinite(rts.means).all() and (rts.covariances > 0).all()
+    out = EPSmoother(ssm, projection="linearization", max_iter=1).smooth(ys)
+    assert torch.isfinite(out.means).all() and torch.isfinite(out.covariances).all()
+    assert torch.allclose(out.means, rts.means, rtol=1e-8, atol=1e-10)
+    assert torch.allclose(out.covariances, rts.covariances, rtol=1e-8, atol=1e-10)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from pyro_smc.ops.kalman import kalman_filter, predict, rts_smoother, update
+from tests.cases import ar1_ssm
 
 
 def _random_model(d, dy, seed):
@@ -143,3 +144,39 @@ def test_old_result_names_warn():
         old = out.log_likelihoods
     assert torch.equal(old, out.log_evidence_increments)
     assert torch.equal(rts_smoother(out, A).log_evidence, out.log_evidence)
+
+
+# =================================================================================================
+# T = 10^4 in float64 and float32
+# =================================================================================================
+def test_kalman_filter_at_T_1e4_matches_pyro_gaussian_hmm():
+    """10^4 sequential Kalman steps against Pyro's GaussianHMM (a parallel-scan computation of the
+    same log-likelihood): agreement to 1e-9 relative, and finite, positive filter variances."""
+    ssm = ar1_ssm()
+    T = 10_000
+    _, ys = ssm.simulate(T, generator=torch.Generator().manual_seed(0))
+    kf = ssm.kalman_filter(ys)
+    assert torch.isfinite(kf.means).all() and (kf.covariances > 0).all()
+    one = torch.eye(1)
+    # GaussianHMM starts one transition before the first observation: x_0 ~ N(0, s) with
+    # 0.81 s + q = 1 gives x_1 ~ N(0, 1), our prior.
+    hmm = dist.GaussianHMM(
+        dist.MultivariateNormal(torch.zeros(1), (1 - 0.19) / 0.81 * one),
+        ssm.A.T,
+        dist.MultivariateNormal(torch.zeros(1), ssm.Q),
+        ssm.C.T,
+        dist.MultivariateNormal(torch.zeros(1), ssm.R),
+    )
+    exact = hmm.log_prob(ys)
+    assert torch.allclose(kf.log_evidence, exact, rtol=1e-9)
+
+
+def test_kalman_float32_at_T_1e4():
+    ssm32 = ar1_ssm(torch.float32)
+    _, ys = ar1_ssm().simulate(10_000, generator=torch.Generator().manual_seed(2))
+    kf32 = ssm32.kalman_filter(ys.float())
+    kf64 = ar1_ssm().kalman_filter(ys)
+    assert torch.isfinite(kf32.log_evidence_increments).all()
+    # Per-step rounding errors of relative size 1e-7 add up over 10^4 terms of size ~1.
+    assert abs(float(kf32.log_evidence_increments.double().sum() - kf64.log_evidence)) < 1e-7 * 10_000 * 10
+    assert (kf32.means.double() - kf64.means).abs().max() < 1e-4

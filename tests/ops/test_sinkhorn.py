@@ -3,9 +3,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from pyro_smc.ops.ensemble import ensemble_transform
 from pyro_smc.ops.sinkhorn import _solve_loop, sinkhorn, squared_distances, transport_plan
 from pyro_smc.ops.weights import normalize
+from pyro_smc.resamplers import OTResampler
+from tests.property_cases import F32, FLOAT_DTYPES, PROPERTY, SEEDS, eps, gen
 
 
 def _problem(batch, n, m, d=2, seed=0, spread=1.0):
@@ -89,9 +94,9 @@ def test_small_epsilon_sorts_1d_points():
         expected = torch.empty(12, dtype=torch.long)
         expected[x[0, :, 0].argsort()] = y[0, :, 0].argsort()
         mass = []
-        for eps in (0.1, 0.01, 0.003):
-            f, gg = sinkhorn(cost, log_a, log_a, eps, threshold=1e-9, max_iter=20000)
-            plan = transport_plan(cost, log_a, log_a, f, gg, eps)
+        for epsilon in (0.1, 0.01, 0.003):
+            f, gg = sinkhorn(cost, log_a, log_a, epsilon, threshold=1e-9, max_iter=20000)
+            plan = transport_plan(cost, log_a, log_a, f, gg, epsilon)
             mass.append(float(plan[0, torch.arange(12), expected].sum()))
         assert torch.equal(plan[0].argmax(-1), expected)
         assert mass[0] < mass[1] < mass[2] and mass[2] > 0.8
@@ -417,3 +422,62 @@ def test_solve_loop_keeps_its_return_form():
     cost, log_a, log_b = _hard_and_easy()
     f, gg, iterations = _solve_loop(cost, log_a, log_b, 0.5, 0.75, 1e-6, 1000)
     assert f.shape == gg.shape == (3, 30) and isinstance(iterations, int) and 1 <= iterations < 1000
+
+
+# =================================================================================================
+# Properties (hypothesis): random problems, unequal masses, invalid epsilon
+# =================================================================================================
+@PROPERTY
+@given(
+    batch=st.integers(1, 3),
+    n=st.integers(1, 10),
+    m=st.integers(1, 10),
+    d=st.integers(1, 3),
+    dtype=FLOAT_DTYPES,
+    seed=SEEDS,
+    epsilon=st.sampled_from([1.0, 0.3, 0.1, 0.03, 0.01]),
+    spread=st.sampled_from([0.0, 1.0, 5.0]),
+)
+def test_sinkhorn_marginals_on_random_problems(batch, n, m, d, dtype, seed, epsilon, spread):
+    """Costs normalised to [0, 1] (as the OT resampler normalises them). Rows of the returned plan
+    are exact (the loop ends on a row update); columns within the threshold (plus the rounding of
+    recomputing the plan). Over-relaxed iterations once broke this bound by up to 66x."""
+    g = gen(seed)
+    x = torch.randn(batch, n, d, generator=g, dtype=dtype)
+    y = torch.randn(batch, m, d, generator=g, dtype=dtype)
+    cost = squared_distances(x, y)
+    cost = cost / cost.amax((-1, -2), keepdim=True).clamp_min(1e-3)
+    log_a = (spread * torch.randn(batch, n, generator=g, dtype=dtype)).log_softmax(-1)
+    log_b = (spread * torch.randn(batch, m, generator=g, dtype=dtype)).log_softmax(-1)
+    threshold = 1e-4 if dtype == F32 else 1e-6
+    f, gg = sinkhorn(cost, log_a, log_b, epsilon, threshold=threshold, max_iter=20000)
+    assert f.shape == (batch, n) and gg.shape == (batch, m) and f.dtype == gg.dtype == dtype
+    assert torch.isfinite(f).all() and torch.isfinite(gg).all()
+    plan = transport_plan(cost, log_a, log_b, f, gg, epsilon)
+    assert torch.isfinite(plan).all() and (plan >= 0).all()
+    assert (plan.sum(-1) - log_a.exp()).abs().sum(-1).max() <= 100 * eps(dtype)
+    assert (plan.sum(-2) - log_b.exp()).abs().sum(-1).max() <= threshold + 100 * eps(dtype)
+
+
+@PROPERTY
+@given(n=st.integers(1, 8), dtype=FLOAT_DTYPES, seed=SEEDS, gap=st.floats(0.01, 50.0), sign=st.sampled_from([1.0, -1.0]))
+def test_sinkhorn_rejects_unequal_masses(n, dtype, seed, gap, sign):
+    g = gen(seed)
+    cost = torch.rand(2, n, n, generator=g, dtype=dtype)
+    log_a = torch.randn(2, n, generator=g, dtype=dtype).log_softmax(-1)
+    log_b = torch.randn(2, n, generator=g, dtype=dtype).log_softmax(-1)
+    with pytest.raises(ValueError, match="equal total mass"):
+        sinkhorn(cost, log_a, log_b + sign * gap, 0.5)
+
+
+@PROPERTY
+@given(epsilon=st.one_of(st.floats(max_value=0.0), st.just(math.nan)), dtype=FLOAT_DTYPES)
+def test_sinkhorn_and_ensemble_transform_reject_non_positive_epsilon(epsilon, dtype):
+    cost = torch.rand(1, 3, 3, dtype=dtype)
+    log_a = torch.full((1, 3), -math.log(3), dtype=dtype)
+    with pytest.raises(ValueError, match="epsilon"):
+        sinkhorn(cost, log_a, log_a, epsilon)
+    with pytest.raises(ValueError, match="epsilon"):
+        ensemble_transform(torch.rand(1, 3, 2, dtype=dtype), log_a, epsilon)
+    with pytest.raises(ValueError, match="epsilon"):
+        OTResampler(epsilon)
