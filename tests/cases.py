@@ -1,6 +1,5 @@
 """Parametrisation grids and small models shared by the tests of several modules: float32 and
-float64 runs, extreme log-weights, OT at small epsilon and long sequences (moved here from the
-top of the former tests/test_robustness.py, unchanged)."""
+float64 runs, extreme log-weights, OT at small epsilon and long sequences."""
 
 import torch
 

@@ -346,7 +346,6 @@ def test_nonlinear_log_density_equals_the_brute_force_change_of_variables():
     with torch.no_grad():
         for q in guide.parameters():
             q.add_(0.3 * torch.randn(q.shape, generator=g))
-    site = next(guide.prototype_trace.iter_stochastic_nodes())[1]
     posterior = guide._posterior("w")
     E = torch.randn(3, 4, generator=g)
     transform = torch.distributions.transforms.ComposeTransform(posterior.transforms)

@@ -482,7 +482,7 @@ def test_result_snapshot_splits_the_evidence_into_per_step_increments():
     assert bool((out.log_evidence_increments[3] == 0).all())  # predict-only step
     assert out.filtering_means["x"].shape == (8, 3, 2)
     with pytest.raises(RuntimeError, match="step"):
-        SMC(ssm, num_particles=3).result
+        _ = SMC(ssm, num_particles=3).result
 
 
 def test_result_reports_whether_each_transport_converged():

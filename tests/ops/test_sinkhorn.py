@@ -188,7 +188,7 @@ def test_float32_masses_below_the_smallest_normal_number_do_not_stall_the_solver
 
 
 # =================================================================================================
-# Robustness: extreme weights, small epsilon, bad inputs (moved from tests/test_robustness.py)
+# Robustness: extreme weights, small epsilon, bad inputs
 # =================================================================================================
 DTYPES = [torch.float32, torch.float64]
 DTYPE_IDS = ["float32", "float64"]
