@@ -27,8 +27,14 @@ def _lgssm(theta=0.5, d=2):
 
 @pytest.fixture(scope="module")
 def paper_data():
+    # Module-scoped fixtures run before conftest's per-test dtype fixture, so restore the dtype
+    # here: leaving float64 set would leak into every later test module and doctest.
+    old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
-    return simulate([0.5, 0.5], T, seed=0)
+    try:
+        return simulate([0.5, 0.5], T, seed=0)
+    finally:
+        torch.set_default_dtype(old)
 
 
 # --- accuracy against Kalman --------------------------------------------------------------------
