@@ -207,6 +207,7 @@ class SMC:
         predict-only: the particles move by the model's own transition (the guide is not
         called, since it may need the observation) and no observed site is scored, so the
         weights and ``log_evidence`` do not change. A partly-NaN or infinite argument is an error.
+        See ``docs/math/smc.md#missing-observations``.
         """
         missing = is_missing(args)
         check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
