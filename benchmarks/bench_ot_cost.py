@@ -10,7 +10,11 @@ Contenders: ``SystematicResampler`` (gradients drop the resampling terms) and
 ``OTResampler(epsilon=0.5)`` with ``gradient="implicit"`` (annealing ``scaling=0.75``, the
 default, and ``scaling=0``), ``"last_step"`` and ``"unroll"``. Goal: OT implicit <= 3x systematic.
 
-Run: ``python benchmarks/bench_ot_cost.py`` (``--quick`` for a smoke run).
+Also measured (``last_step_accuracy``): the gradient of the ensemble transform in each mode against
+``gradient="unroll"`` at threshold 1e-10 (float64, 3 clouds x 40 particles, epsilon 0.5).
+
+Run: ``python benchmarks/bench_ot_cost.py`` (``--quick`` for a smoke run, ``--dtype float64``
+writes ``results/bench_ot_cost.float64.json``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import statistics
 import time
 
+
 import pyro
 import pyro.distributions as dist
 import torch
@@ -26,7 +31,46 @@ import torch
 from _common import add_common_args, f3, print_table, progress, ratio, setup, write_results, yn
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
+from pyro_smc.ops.ensemble import ensemble_transform
 from pyro_smc.resamplers import OTResampler, SystematicResampler
+
+
+# Measured while working on issue 14 (2 shared cores, 1 thread, float32, 32 x 100 x 150 steps, on the
+# ensemble_transform inputs captured from one OT filter run, forward + backward with a random
+# incoming gradient): where the time goes and what each idea bought.
+ISSUE14 = {
+    "profile_before": {
+        "ensemble_forward_s": 1.37,
+        "ensemble_backward_s": 0.86,
+        "iterations_per_step_mean": 6.08,
+        "iterations_per_step_max": 11,
+        "annealing_levels_per_step": 0,
+        "note": "eps0 = mean cost / 4 is below epsilon = 0.5 on the normalised cost, so no annealing level runs and `scaling` "
+        "changes nothing here (0.75 vs 0 differ by noise). Time: kernel mat-vecs (slowed by denormal products: light "
+        "particles' weights reach 1e-50 in float32), masked_fill of zero-mass columns (0.4 ms per call, 2 per step), "
+        "adjoint CG (~0.3 s), Python overhead per iteration (~20 small ops).",
+    },
+    "flush_denormals": {"ensemble_forward_s": 0.99, "ensemble_backward_s": 0.44, "kept": True, "note": "float32 only; float64 has no denormals here"},
+    "masked_fill_by_index": {"saved_s_per_run": 0.1, "kept": True},
+    "warm_start": {
+        "iterations_cold": 6.08,
+        "iterations_warm_previous_g": 6.29,
+        "iterations_warm_c_transform_of_previous_f": 6.00,
+        "kept": False,
+        "note": "the weights change completely between steps, so the previous potentials carry no information; "
+        "cold solves take 6 iterations at epsilon 0.5. Not implemented; the adjoint's right-hand side changes likewise.",
+    },
+    "flush_kernel_entries_below_tiny": {"kept": False, "note": "no gain: the denormals come from products of normal numbers"},
+    "ratios_before_same_session": {
+        "systematic": 1.0,
+        "ot_implicit_scaling0.75": 7.05,
+        "ot_implicit_scaling0": 7.46,
+        "ot_last_step_scaling0.75": 10.06,
+        "ot_unroll_scaling0.75": 35.56,
+    },
+    "ratios_before_note": "HEAD before issue 14, --repeats 3, run just before the committed results on the same (heavily loaded) machine; the after-run is results[...]",
+    "last_step_via_fused_op": {"kept": True, "note": "same gradients as before (to 1e-16 in float64), no autograd graph over N x N ops"},
+}
 
 
 class DiagSSM:
@@ -74,6 +118,37 @@ def one_call(resampler, ys, num_filters, num_particles):
     return mid - start, end - mid, float(loss.detach()), theta.grad.clone(), float(smc.resampled.float().mean())
 
 
+def gradient_accuracy(dtype=torch.float64) -> dict:
+    """Relative error of each mode's gradient of ``sum(x_new * G)`` (in ``x`` and ``log_w``)
+    against ``gradient="unroll"`` solved to threshold 1e-10, and each mode's time for the same
+    forward + backward (median of 20)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 2, generator=g, dtype=dtype)
+    log_w = (2 * torch.randn(3, 40, generator=g, dtype=dtype)).log_softmax(-1)
+    weight = torch.randn(3, 40, 2, generator=g, dtype=dtype)
+
+    def grads(mode, threshold, max_iter):
+        xx, lw = x.clone().requires_grad_(), log_w.clone().requires_grad_()
+        out, _ = ensemble_transform(xx, lw, 0.5, 0.75, threshold, max_iter, mode)
+        return torch.autograd.grad((out * weight).sum(), (xx, lw))
+
+    ref = grads("unroll", 1e-10, 20000)
+    out = {}
+    for mode in ("implicit", "last_step", "unroll"):
+        got = grads(mode, 1e-3, 100)
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            grads(mode, 1e-3, 100)
+            times.append(time.perf_counter() - start)
+        out[mode] = {
+            "rel_error_grad_x": float((got[0] - ref[0]).norm() / ref[0].norm()),
+            "rel_error_grad_log_w": float((got[1] - ref[1]).norm() / ref[1].norm()),
+            "fwd_bwd_ms": 1e3 * statistics.median(times),
+        }
+    return out
+
+
 def summary_cells(d: dict) -> dict:
     """The cells of this benchmark's row in the summary table of ``benchmarks/README.md``, from a result file's content ``d``.
 
@@ -86,8 +161,7 @@ def summary_cells(d: dict) -> dict:
     others = {label: res[key] for label, key in others.items() if key in res}
     size = f"{s['num_filters']} filters x {s['num_particles']} particles, T = {s['T']}: " if {"num_filters", "num_particles", "T"} <= s.keys() else ""
     return {
-        "ours": f"{size}OT implicit (default) {f3(default['total_s'])} s forward + backward "
-        f"({f3(default['forward_s'])} + {f3(default['backward_s'])})",
+        "ours": f"{size}OT implicit (default) {f3(default['total_s'])} s forward + backward ({f3(default['forward_s'])} + {f3(default['backward_s'])})",
         "anchor": f"`SystematicResampler` {f3(base['total_s'])} s ({f3(base['forward_s'])} + {f3(base['backward_s'])})",
         "comparison": f"OT / systematic {ratio(default['ratio_over_systematic'])}"
         + (" (" + ", ".join(f"{k} {ratio(v['ratio_over_systematic'])}" for k, v in others.items()) + ")" if others else ""),
@@ -100,12 +174,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     args = parser.parse_args()
     setup(args)
     T = 15 if args.quick else 150
     B, N = (4, 20) if args.quick else (32, 100)
     repeats = 1 if args.quick else args.repeats
     eps = 0.5
+    dtype = getattr(torch, args.dtype)
+    torch.set_default_dtype(dtype)
 
     contenders = {
         "systematic": SystematicResampler(),
@@ -148,20 +225,44 @@ def main():
             "fraction_of_steps_resampled": statistics.median(s["resampled"]),
         }
         records[name] = rec
-        rows.append([name, rec["forward_s"], rec["backward_s"], total, rec["ratio_over_systematic"], rec["fraction_of_steps_resampled"], rec["neg_mean_log_evidence"]])
+        rows.append(
+            [name, rec["forward_s"], rec["backward_s"], total, rec["ratio_over_systematic"], rec["fraction_of_steps_resampled"], rec["neg_mean_log_evidence"]]
+        )
     print_table(
         ["resampler", "fwd s", "bwd s", "fwd+bwd s", "ratio", "resampled", "-mean logZ"],
         rows,
-        title=f"Forward+backward of -log_evidence.mean(), B={B} filters, N={N}, T={T}, eps={eps}, float32, median of {repeats}",
+        title=f"Forward+backward of -log_evidence.mean(), B={B} filters, N={N}, T={T}, eps={eps}, {args.dtype}, median of {repeats}",
     )
     print("goal: OT implicit / systematic <= 3")
+    accuracy = gradient_accuracy()
+    print_table(
+        ["mode", "rel err d/dx", "rel err d/dlogw", "ms"],
+        [[k, v["rel_error_grad_x"], v["rel_error_grad_log_w"], v["fwd_bwd_ms"]] for k, v in accuracy.items()],
+        title="ensemble transform gradient vs unroll at threshold 1e-10 (float64, 3 x 40 particles, eps 0.5)",
+    )
+    torch.set_default_dtype(torch.float32)
+    name = "bench_ot_cost" if args.dtype == "float32" else f"bench_ot_cost.{args.dtype}"
     write_results(
-        "bench_ot_cost",
+        name,
         {
-            "settings": {"num_filters": B, "num_particles": N, "T": T, "epsilon": eps, "threshold": 1e-3, "max_iter": 100, "ess_threshold": 0.5, "repeats": repeats, "warmup": 1},
+            "settings": {
+                "num_filters": B,
+                "num_particles": N,
+                "T": T,
+                "epsilon": eps,
+                "threshold": 1e-3,
+                "max_iter": 100,
+                "ess_threshold": 0.5,
+                "repeats": repeats,
+                "warmup": 1,
+                "dtype": args.dtype,
+            },
             "goal": "ratio OT implicit / systematic <= 3",
             "results": records,
+            "last_step_accuracy": accuracy,
+            "issue14_measurements": ISSUE14,
         },
+        dtype=dtype,
         summary=summary_cells,
     )
 

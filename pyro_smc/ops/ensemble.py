@@ -51,6 +51,7 @@ from torch import Tensor
 from pyro_smc.ops.sinkhorn import (
     GRADIENT_MODES,
     _colsum,
+    _flushing,
     _solve_loop,
     _thin_matmul,
     check_equal_mass,
@@ -101,7 +102,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, log_b, epsilon, scaling, threshold, max_iter):
+    @_flushing
+    def forward(ctx, x, log_b, epsilon, scaling, threshold, max_iter, exact):
         n = x.shape[-2]
         with torch.no_grad():
             cost, scale2 = _normalised_cost(x)
@@ -111,7 +113,9 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             # row sums of P come out of one product with [sqrt(b) x, sqrt(b)].
             sqrt_a = math.exp(-0.5 * math.log(n))
             sqrt_b = (log_b / 2).exp()
-            kernel = (cost.neg_().add_(f.unsqueeze(-1) + 0.5 * epsilon * math.log(1.0 / n)).add_((g + 0.5 * epsilon * log_b).unsqueeze(-2)).div_(epsilon)).exp_()
+            kernel = (
+                cost.neg_().add_(f.unsqueeze(-1) + 0.5 * epsilon * math.log(1.0 / n)).add_((g + 0.5 * epsilon * log_b).unsqueeze(-2)).div_(epsilon)
+            ).exp_()
             moved = _thin_matmul(kernel, torch.cat([sqrt_b.unsqueeze(-1) * x, sqrt_b.unsqueeze(-1)], -1))
             x_new = moved[..., :-1] / moved[..., -1:]
             rows = sqrt_a * moved[..., -1:]  # row sums of P
@@ -119,17 +123,19 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         ctx.save_for_backward(x, kernel, sqrt_b, rows, x_new, scale2)
         ctx.sqrt_a = sqrt_a
         ctx.epsilon = epsilon
+        ctx.exact = exact
         # The fixed point is only threshold-accurate; a tighter adjoint buys nothing.
         ctx.tol = min(1e-2, threshold) * 1e-2
         ctx.mark_non_differentiable(plan)
         return x_new, plan
 
     @staticmethod
+    @_flushing
     def backward(ctx, grad_x_new, grad_plan):
         x, kernel, sqrt_b, rows, x_new, scale2 = ctx.saved_tensors
         sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
         if grad_x_new is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         # x_new_i = sum_j P_ij x_j / r_i, so d loss / d log P_ij = P_ij (G_i . x_j - c_i) with
         # G_i = grad_i / r_i and c_i = G_i . x_new_i.
         gs = grad_x_new / rows
@@ -138,7 +144,13 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         kt_g, kt_c = kt[..., :-1], kt[..., -1]
         # Column sums of d loss / d log P, i.e. eps * d loss / d g (the row sums vanish).
         col = sqrt_a * sqrt_b * ((x * kt_g).sum(-1) - kt_c)
-        alpha, beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, torch.zeros_like(c), col / eps, ctx.tol)
+        if ctx.exact:
+            alpha, beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, torch.zeros_like(c), col / eps, ctx.tol)
+        else:
+            # gradient="last_step": the potentials are held fixed (no adjoint solve), which is
+            # exactly the gradient of one row update f = T_b(g) from the detached g, since the
+            # row normalisation removes f. See docs/math/smc.md#gradient-modes.
+            alpha, beta = torch.zeros_like(c), torch.zeros_like(col)
         grad_log_b = col - eps * sqrt_b * _colsum(kernel, alpha)
         # d loss / d C = -(1/eps) d loss / d log P + K * (alpha_i sqrt(b_j) + sqrt(a) beta_j)
         #              = (sqrt(a) / eps) K * (eps beta_j - sqrt(b_j) (G_i . x_j - d_i)),
@@ -159,7 +171,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         spread = (sums.squeeze(-1) * x.square().sum(-1) - 2 * (x * h_x[..., :-1]).sum(-1)).sum(-1)
         grad_x = grad_x + _scale_gradient(x, -spread / scale2.square())
         grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g  # through x_j in P x
-        return grad_x, grad_log_b, None, None, None, None
+        return grad_x, grad_log_b, None, None, None, None, None
 
 
 def ensemble_transform(
@@ -187,7 +199,9 @@ def ensemble_transform(
     Returns:
         ``(x_new, plan)``: transported particles ``(..., N, D)`` and the plan ``(..., N, N)``
         whose rows sum to ``1/N`` and columns to the weights. With ``gradient="implicit"`` the
-        plan carries no gradient (``x_new`` does, exactly); the other modes differentiate it.
+        plan carries no gradient (``x_new`` does, exactly); so with ``"last_step"``, which runs
+        the same fused op with the potentials held fixed in the backward pass (no adjoint solve:
+        cheaper, but only approximate); ``"unroll"`` differentiates the plan too.
     """
     if not epsilon > 0:
         raise ValueError(f"ensemble_transform: epsilon must be > 0, got {epsilon}")
@@ -196,8 +210,8 @@ def ensemble_transform(
     n = x.shape[-2]
     log_a = torch.full_like(log_weights, -math.log(n))
     check_equal_mass(log_a, log_weights)
-    if gradient == "implicit":
-        return _FusedEnsembleTransform.apply(x, log_weights, float(epsilon), scaling, threshold, max_iter)
+    if gradient in ("implicit", "last_step"):
+        return _FusedEnsembleTransform.apply(x, log_weights, float(epsilon), scaling, threshold, max_iter, gradient == "implicit")
     cost, _ = _normalised_cost(x)
     f, g = sinkhorn(cost, log_a, log_weights, epsilon, scaling, threshold, max_iter, gradient)
     plan = transport_plan(cost, log_a, log_weights, f, g, epsilon)
