@@ -128,7 +128,8 @@ def _flush_denormals() -> Iterator[None]:
     switched off again if it was off; the flag is per thread, so intra-op worker threads keep
     their own (correct either way, only slower).
     """
-    probe = torch.tensor([1e-20], dtype=torch.float32)  # squared: 1e-40, a float32 denormal
+    # The flag is a CPU setting; probe on the CPU whatever the default device is.
+    probe = torch.tensor([1e-20], dtype=torch.float32, device="cpu")  # squared: 1e-40, a float32 denormal
     was_on = bool((probe * probe == 0).item())
     if was_on or not torch.set_flush_denormal(True):
         yield

@@ -156,3 +156,18 @@ def test_ensemble_transform_rejects_bad_epsilon(epsilon):
     x = torch.randn(1, 5, 2)
     with pytest.raises(ValueError, match="epsilon"):
         ensemble_transform(x, torch.full((1, 5), -math.log(5)), epsilon)
+
+
+@pytest.mark.parametrize("gradient", ["implicit", "last_step"])
+def test_fused_transform_restores_the_denormal_mode(gradient):
+    """The fused op flushes float32 denormals for speed while it runs; afterwards the caller's
+    arithmetic must keep its denormals (PyTorch's default)."""
+    probe = torch.tensor([1e-20], dtype=torch.float32)
+    assert bool((probe * probe != 0).all())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 30, 2, generator=g, dtype=torch.float32, requires_grad=True)
+    log_w = torch.log_softmax(20 * torch.randn(2, 30, generator=g, dtype=torch.float32), -1)
+    x_new, _ = ensemble_transform(x, log_w, 0.5, gradient=gradient)
+    x_new.square().sum().backward()
+    assert bool((probe * probe != 0).all())
+    assert torch.isfinite(x.grad).all()
