@@ -12,8 +12,12 @@ its leading dimensions are independent filters. Each state tensor has shape
 ``log_weights.shape + event_shape``. The returned log-weights are normalised.
 
 * :class:`MultinomialResampler`, :class:`StratifiedResampler`, :class:`SystematicResampler`:
-  unbiased index resampling; gradients flow through the selected particles (pathwise) but not
-  through the choice of ancestors, so the resampling terms of the score are dropped.
+  unbiased index resampling. With ``gradient="detach"`` (the default) gradients flow through the
+  selected particles (pathwise) but not through the choice of ancestors, so the resampling terms
+  of the score are dropped. With ``gradient="stop_gradient"`` (Scibior and Wood, 2021) the
+  forward pass is the same but the new log-weights ``log w[A_i] - stop_grad(log w[A_i]) - log N``
+  carry the gradient of the ancestors' weights, and :class:`~pyro_smc.infer.smc.SMC` switches to
+  the Fisher-identity score estimator (see ``docs/math/smc.md#stop-gradient-resampling``).
 * :class:`SoftResampler`: Karkus et al. (2018); keeps part of the weight gradient.
 * :class:`OTResampler`: the differentiable ensemble transform of Corenflos et al. (2021), an
   entropy-regularised optimal-transport map that is smooth in particles and weights. Integer
@@ -33,6 +37,14 @@ Example:
     >>> _ = resampler(particles, log_w)
     >>> resampler.last_result.converged.shape, resampler.last_result.num_iterations.dtype
     (torch.Size([4]), torch.int64)
+
+    Stop-gradient resampling: uniform weights in value, the ancestors' weight gradient in autograd.
+
+    >>> from pyro_smc.resamplers import SystematicResampler
+    >>> log_w = torch.tensor([0.1, 0.2, 0.3, 0.4]).log().requires_grad_()
+    >>> new, new_log_w = SystematicResampler(gradient="stop_gradient")({"x": torch.arange(4.0)}, log_w)
+    >>> bool((new_log_w == -math.log(4)).all()), new_log_w.requires_grad
+    (True, True)
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ from pyro_smc.ops.ensemble import ensemble_transform
 from pyro_smc.ops.sinkhorn import GRADIENT_MODES, SinkhornResult, record_results
 
 __all__ = [
+    "INDEX_GRADIENT_MODES",
     "Resampler",
     "MultinomialResampler",
     "StratifiedResampler",
@@ -56,6 +69,9 @@ __all__ = [
 ]
 
 Particles = dict[str, Tensor]
+
+#: The ``gradient=`` modes of the index resamplers.
+INDEX_GRADIENT_MODES = ("detach", "stop_gradient")
 
 
 def _check_particles(particles: Particles, log_weights: Tensor) -> None:
@@ -87,29 +103,71 @@ class Resampler:
 
 
 class _IndexResampler(Resampler):
+    """Index resampling by ``_scheme`` (ancestor indices from normalised log-weights).
+
+    Args:
+        gradient: ``"detach"`` (default; ``None`` means the same) or ``"stop_gradient"``.
+
+            * ``"detach"``: the new log-weights are the constants ``-log N``; gradients reach the
+              new particles only through the selected particles' values (pathwise).
+            * ``"stop_gradient"``: the same ancestors and the same values, but the new log-weights
+              are ``log w[A_i] - stop_grad(log w[A_i]) - log N``: ``-log N`` in value (bit for
+              bit), with the gradient of the ancestor's log-weight. Given such a resampler,
+              :class:`~pyro_smc.infer.smc.SMC` detaches the proposal draws and adds their
+              score-function terms, so that the gradient of ``log_evidence`` is the
+              Fisher-identity estimator of the score (Scibior and Wood, 2021). See
+              ``docs/math/smc.md#stop-gradient-resampling``.
+    """
+
     _scheme = staticmethod(_resample.systematic)
+
+    def __init__(self, gradient: str | None = "detach"):
+        gradient = "detach" if gradient is None else gradient
+        if gradient not in INDEX_GRADIENT_MODES:
+            raise ValueError(f"gradient must be one of {INDEX_GRADIENT_MODES} (or None), got {gradient!r}")
+        self.gradient = gradient
 
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
         _check_particles(particles, log_weights)
         index = self._scheme(log_weights)
         n = log_weights.shape[-1]
+        if self.gradient == "stop_gradient":
+            return _gather(particles, index), _resample.stop_gradient_log_weights(log_weights, index)
         return _gather(particles, index), torch.full_like(log_weights, -math.log(n))
 
 
 class MultinomialResampler(_IndexResampler):
-    """Multinomial resampling: ancestors drawn i.i.d. from the weights."""
+    """Multinomial resampling: ancestors drawn i.i.d. from the weights.
+
+    Args:
+        gradient: ``"detach"`` (default; the new log-weights are constants) or
+            ``"stop_gradient"`` (they carry the ancestors' weight gradient, and ``SMC`` computes
+            the Fisher-identity score); see the module docstring and
+            ``docs/math/smc.md#stop-gradient-resampling``.
+    """
 
     _scheme = staticmethod(_resample.multinomial)
 
 
 class StratifiedResampler(_IndexResampler):
-    """Stratified resampling: one uniform per stratum ``[(i-1)/N, i/N)``."""
+    """Stratified resampling: one uniform per stratum ``[(i-1)/N, i/N)``.
+
+    Args:
+        gradient: ``"detach"`` (default) or ``"stop_gradient"``, as for :class:`MultinomialResampler`.
+    """
 
     _scheme = staticmethod(_resample.stratified)
 
 
 class SystematicResampler(_IndexResampler):
-    """Systematic resampling: one shared uniform; lowest variance of the three (the default)."""
+    """Systematic resampling: one shared uniform; lowest variance of the three (the default).
+
+    Args:
+        gradient: ``"detach"`` (default) or ``"stop_gradient"``, as for :class:`MultinomialResampler`.
+            ``SMC(..., resampler=SystematicResampler(gradient="stop_gradient"))`` makes the gradient
+            of ``log_evidence`` the Fisher-identity score estimator, which also reaches the
+            parameters of discrete (non-reparameterised) latent sites.
+    """
 
     _scheme = staticmethod(_resample.systematic)
 

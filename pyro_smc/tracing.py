@@ -15,7 +15,9 @@ The rules, the same as Pyro's inference algorithms:
   minibatch plates) and ``mask`` applied;
 * a ``PyroModule``'s ``PyroParam``s resolve through the parameter store (and so reach SVI) only
   inside the module's context. Pyro enters it in ``forward`` and ``@pyro_method``s; ``init`` and
-  ``step`` are plain methods, so the engines enter it with :func:`module_context`.
+  ``step`` are plain methods, so the engines enter it with :func:`module_context`;
+* under :func:`detach_latent_draws` the latent sites a program draws itself return detached
+  values (score-function estimators, e.g. ``SMC`` with stop-gradient resampling).
 
 Example:
     >>> import torch, pyro, pyro.distributions as dist
@@ -38,11 +40,13 @@ from typing import Any
 
 import pyro.poutine as poutine
 from pyro.nn import PyroModule
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
 __all__ = [
+    "detach_latent_draws",
     "is_latent",
     "is_scored",
     "latent_sites",
@@ -128,3 +132,44 @@ def trace_program(fn: Callable, *args: Any, block: bool = True, **kwargs: Any) -
 def _owner(fn: Callable) -> Any:
     """The ``PyroModule`` a bound method belongs to (``model.step`` -> ``model``), else ``fn``."""
     return getattr(fn, "__self__", fn)
+
+
+class _DetachLatentDraws(Messenger):
+    """Detaches the value of every latent site drawn inside it (see :func:`detach_latent_draws`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._drawn: set[str] = set()
+
+    def _pyro_sample(self, msg: dict) -> None:
+        # Runs before the draw; a value already set here was observed or replayed.
+        if is_latent(msg) and msg["value"] is None:
+            self._drawn.add(msg["name"])
+
+    def _pyro_post_sample(self, msg: dict) -> None:
+        if msg["name"] in self._drawn:
+            self._drawn.discard(msg["name"])
+            if isinstance(msg["value"], Tensor):
+                msg["value"] = msg["value"].detach()
+
+
+def detach_latent_draws() -> Messenger:
+    """A handler under which the latent sites a program draws return detached values.
+
+    Observed sites, plate subsample sites and values set by an inner handler (``replay``,
+    ``condition``) are left alone. The draw itself is unchanged (``rsample`` where the
+    distribution has it, so the random numbers consumed are the same), only its autograd graph
+    is cut. Enter it *outside* ``poutine.trace`` so that the trace records the detached value, and
+    inside any plates.
+
+    Example:
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> loc = torch.zeros(2, requires_grad=True)
+        >>> def program():
+        ...     return pyro.sample("x", dist.Normal(loc, 1.0).to_event(1))
+        >>> with detach_latent_draws():
+        ...     trace = poutine.trace(program).get_trace()
+        >>> trace.nodes["x"]["value"].requires_grad, program().requires_grad
+        (False, True)
+    """
+    return _DetachLatentDraws()

@@ -24,7 +24,23 @@ differences away in float32. Values and gradients are those of the equations abo
 
 Log-weights and the running log-evidence keep their autograd graph, so with a differentiable
 resampler (:class:`~pyro_smc.resamplers.OTResampler`) ``log_evidence`` and the filtering means
-are differentiable in model and proposal parameters. ``num_filters`` independent filters run
+are differentiable in model and proposal parameters.
+
+**Stop-gradient (Fisher-identity) mode.** With an index resampler built with
+``gradient="stop_gradient"`` (``SMC`` reads the resampler's ``gradient`` attribute; see
+:attr:`SMC.score_function`) the forward pass is unchanged bit for bit, but every proposal draw
+is detached (no pathwise gradient) and each particle's log-weight gains
+``log q(x) - stop_grad(log q(x))`` for each proposal site (guide sites; model latent sites the
+guide does not sample, for which ``q = f``), zero in value. Autodiff of ``log_evidence`` then
+returns ``G = sum_i w_T^i d log p(x^i_{1:T}, y_{1:T})`` over the particles' ancestral paths
+(Scibior and Wood, 2021), which reaches parameters acting only through discrete draws (a
+switching probability). What is unbiased: ``E[Z_hat G] = dZ/dtheta`` exactly, so
+``E[(Z_hat / Z) G] = d log Z / d theta`` (the exact score); ``E[G]`` itself is biased for the
+score (a ratio of estimates; the bias is ``O(1/N)``). Proposal parameters get zero gradient in
+this mode, and ``NonReparameterizedGradientWarning`` is not raised.
+See ``docs/math/smc.md#stop-gradient-resampling``.
+
+``num_filters`` independent filters run
 vectorised in one pass: the state then has leading dimensions ``(num_filters, num_particles)``
 (an outer ``pyro.plate("filters")``); with one filter it has ``(num_particles,)`` exactly as
 under ``SMCFilter``.
@@ -46,6 +62,9 @@ Example:
 Reference:
     Corenflos, Thornton, Deligiannidis, Doucet (2021). Differentiable particle filtering via
     entropy-regularized optimal transport. ICML.
+
+    Scibior, Wood (2021). Differentiable particle filtering without modifying the forward pass.
+    arXiv:2106.10314.
 """
 
 from __future__ import annotations
@@ -70,12 +89,12 @@ from pyro_smc.infer.smc_checks import (
     is_missing,
     warn_non_reparameterized,
 )
-from pyro_smc.infer.smc_weights import ParticleLayout, SMCFailedError, centred_increment, failure, log_weight_terms
+from pyro_smc.infer.smc_weights import ParticleLayout, SMCFailedError, centred_increment, failure, log_weight_terms, score_terms
 from pyro_smc.ops.results import SMCResult
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
-from pyro_smc.tracing import module_context
+from pyro_smc.tracing import detach_latent_draws, module_context
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
 
@@ -108,7 +127,9 @@ class SMC:
         model: object with ``init(state, *args)`` and ``step(state, *args)`` Pyro methods.
         guide: proposal with the same methods, or ``None`` for the bootstrap filter.
         num_particles: particles per filter, ``N >= 1``.
-        resampler: a resampler from :mod:`pyro_smc.resamplers`; default systematic.
+        resampler: a resampler from :mod:`pyro_smc.resamplers`; default systematic. An index
+            resampler with ``gradient="stop_gradient"`` switches on the Fisher-identity
+            gradient (above).
         ess_threshold: resample a filter when its ESS falls below ``ess_threshold * N``;
             in ``(0, 1]``.
         num_filters: independent filters ``B`` run in one vectorised pass.
@@ -362,9 +383,13 @@ class SMC:
 
     # --- one step -----------------------------------------------------------------------------
     def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False) -> None:
+        score_function = self.score_function
         with poutine.block(hide_types=["sample"]), module_context(self.model, self.guide), contextlib.ExitStack() as stack:
             for plate in self._plates:
                 stack.enter_context(plate)
+            if score_function:
+                # Inside the plates, outside the traces: the traces record the detached draws.
+                stack.enter_context(detach_latent_draws())
             guide_trace = None
             try:
                 if guide_fn is not None:
@@ -380,18 +405,24 @@ class SMC:
                     f"{-1 - self.max_plate_nesting}; set max_plate_nesting (now {self.max_plate_nesting}) "
                     f"to the number of plates the model nests inside a step"
                 ) from error
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not score_function:
             warn_non_reparameterized(model_trace, guide_trace, where, self._warned_sites)
         terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only)
+        score = score_terms(model_trace, guide_trace, self._layout) if score_function and torch.is_grad_enabled() else None
         self._check_state(where)
         if not terms:
-            # Nothing was scored (e.g. an init that only sets up bookkeeping).
+            # Nothing was scored (e.g. an init that only sets up bookkeeping, a predict-only step).
             if self.log_weights is None and self.state:
                 self._init_weights(next(iter(self.state.values())))
             if self.log_weights is not None:
+                if score is not None:
+                    self._add_scores(score)
                 self._record(where)
             return
         increment, offset = centred_increment(terms, self._layout)
+        if score is not None:
+            # Zero in value (so the forward numbers are unchanged bit for bit), the scores in autograd.
+            increment = increment + score
         if self.log_weights is None:
             self._init_weights(increment)
         joint = self.log_weights + increment
@@ -404,6 +435,32 @@ class SMC:
         pending = self._unrecorded_increment
         self._unrecorded_increment = increment if pending is None else pending + increment
         self._record(where)
+
+    @property
+    def score_function(self) -> bool:
+        """Whether the resampler asks for the Fisher-identity gradient (``gradient="stop_gradient"``).
+
+        Then the proposal draws are detached and every proposal site adds
+        ``log q - stop_grad(log q)`` to its particle's log-weight. See
+        ``docs/math/smc.md#stop-gradient-resampling``.
+        """
+        return getattr(self.resampler, "gradient", None) == "stop_gradient"
+
+    def _add_scores(self, score: Tensor) -> None:
+        """Adds a step's score terms (zero in value) when the step scored nothing else.
+
+        The weights take ``score - delta`` and the log-evidence ``delta``, with
+        ``delta = lse - stop_grad(lse)`` and ``lse = logsumexp(log w + score)``: all zero in
+        value, so the forward numbers stay bit-identical, while in autograd the weights stay
+        normalised and ``log_evidence + log w`` keeps the scores of each particle's path.
+        """
+        joint = self.log_weights + score
+        lse = torch.logsumexp(joint, dim=-1)
+        delta = torch.where(torch.isfinite(lse), lse - lse.detach(), torch.zeros_like(lse))
+        self.log_weights = joint - delta.unsqueeze(-1)
+        self.log_evidence = self.log_evidence + delta
+        pending = self._unrecorded_increment
+        self._unrecorded_increment = delta if pending is None else pending + delta
 
     def _init_weights(self, like: Tensor) -> None:
         dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()

@@ -34,7 +34,9 @@ class NonReparameterizedGradientWarning(UserWarning):
 
     Its draws are not differentiable, and ``log_evidence`` carries no score-function terms for
     them, so parameters that act only through the site's distribution get no gradient (or a
-    biased one). Emitted once per site-name prefix and run while grad mode is on.
+    biased one). Emitted once per site-name prefix and run while grad mode is on. Not emitted
+    with stop-gradient resampling, which adds those terms (see
+    ``docs/math/smc.md#stop-gradient-resampling``).
     """
 
 

@@ -6,7 +6,11 @@ drawn from the model's own transition contributes ``f / f = 1`` and is not score
 reduced to one number per particle (the model's own plates summed) and centred per filter before
 the terms are added, so a huge constant term cannot round the per-particle differences away.
 
-See ``docs/math/smc.md#one-step-of-the-filter`` and ``docs/math/smc.md#log-evidence-estimate``.
+With stop-gradient resampling the proposal draws are detached and :func:`score_terms` gives each
+proposal site's ``log q - stop_grad(log q)``: zero in value, the score of the draw in autograd.
+
+See ``docs/math/smc.md#one-step-of-the-filter`` and ``docs/math/smc.md#log-evidence-estimate``
+and ``docs/math/smc.md#stop-gradient-resampling``.
 
 Example:
     >>> import torch
@@ -27,9 +31,9 @@ from pyro.infer.smcfilter import SMCFailed
 from pyro.poutine.trace_struct import Trace
 from torch import Tensor
 
-from pyro_smc.tracing import is_scored, site_log_probs
+from pyro_smc.tracing import is_latent, is_scored, site_log_probs
 
-__all__ = ["ParticleLayout", "SMCFailedError", "centred_increment", "failure", "log_weight_terms"]
+__all__ = ["ParticleLayout", "SMCFailedError", "centred_increment", "failure", "log_weight_terms", "score_terms"]
 
 
 class SMCFailedError(SMCFailed):
@@ -101,6 +105,31 @@ def log_weight_terms(model_trace: Trace, guide_trace: Trace | None, layout: Part
             term = term - _per_particle(log_q[name], guide_trace.nodes[name], layout)
         terms.append((name, term))
     return terms
+
+
+def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout) -> Tensor | None:
+    """The score-function terms of one step's proposal draws, summed per particle.
+
+    The proposal is the guide's latent sites (density ``q``) and the model's latent sites the
+    guide does not sample (drawn from the model itself: ``q = f``). Each contributes
+    ``log q(x) - stop_grad(log q(x))``: zero in value, ``d log q(x)`` in autograd, with the draw
+    ``x`` itself detached. A non-finite ``log q`` contributes zero.
+    See ``docs/math/smc.md#stop-gradient-resampling``.
+
+    Returns:
+        ``(B, N)``, zero in value, or ``None`` when the step drew nothing.
+    """
+    sources = [] if guide_trace is None else [(guide_trace, name) for name, site in guide_trace.nodes.items() if is_latent(site)]
+    sources += [(model_trace, name) for name, site in model_trace.nodes.items() if is_latent(site) and (guide_trace is None or name not in guide_trace.nodes)]
+    total = None
+    for trace, name in sources:
+        log_q = _per_particle(site_log_probs(trace, [name])[name], trace.nodes[name], layout)
+        if not log_q.requires_grad:
+            continue
+        score = torch.where(torch.isfinite(log_q), log_q - log_q.detach(), torch.zeros_like(log_q))
+        score = layout.batched(score)
+        total = score if total is None else total + score
+    return total
 
 
 def _per_particle(log_p: Tensor, site: dict, layout: ParticleLayout) -> Tensor:

@@ -3,7 +3,8 @@
 Each scheme maps normalised log-weights ``(..., N)`` to ancestor indices ``(..., N)`` (int64)
 such that ``E[#{i: A^i = j}] = N w_j``. The batch dimensions are independent filters.
 Systematic resampling has the lowest variance of the three and is the default of ``SMC``.
-See ``docs/math/smc.md#index-resampling``.
+:func:`stop_gradient_log_weights` gives the new log-weights of stop-gradient resampling.
+See ``docs/math/smc.md#index-resampling`` and ``docs/math/smc.md#stop-gradient-resampling``.
 
 Example:
     >>> import torch
@@ -18,12 +19,14 @@ Reference:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from pyro_smc.ops.weights import check_log_weights
 
-__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf"]
+__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "stop_gradient_log_weights"]
 
 
 def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> Tensor:
@@ -93,3 +96,31 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
     u = torch.rand(lw.shape[:-1] + (1,), dtype=lw.dtype, device=lw.device, generator=generator)
     grid = torch.arange(n, dtype=lw.dtype, device=lw.device)
     return inverse_cdf(lw, (grid + u) / n)
+
+
+def stop_gradient_log_weights(log_weights: Tensor, index: Tensor) -> Tensor:
+    """New log-weights after index resampling that keep the ancestors' weight gradient.
+
+    ``log w[A_i] - stop_grad(log w[A_i]) - log N`` (Scibior and Wood, 2021): exactly
+    ``-log N`` in value, with the gradient of ``log w[A_i]``. An ancestor of zero weight (only
+    reachable through the clamp of :func:`inverse_cdf` when the cumulative weights round below
+    one) gets ``-log N`` and no gradient rather than NaN.
+    See ``docs/math/smc.md#stop-gradient-resampling``.
+
+    Args:
+        log_weights: normalised log-weights, shape ``(..., N)``.
+        index: ancestor indices, shape ``(..., N)``.
+
+    Returns:
+        Log-weights ``(..., N)``, equal in value to ``-log N``.
+
+    Example:
+        >>> lw = torch.tensor([0.25, 0.75]).log().requires_grad_()
+        >>> new = stop_gradient_log_weights(lw, torch.tensor([1, 1]))
+        >>> new.exp().tolist(), torch.autograd.grad(new.sum(), lw)[0].tolist()
+        ([0.5, 0.5], [0.0, 2.0])
+    """
+    chosen = log_weights.gather(-1, index)
+    delta = chosen - chosen.detach()
+    delta = torch.where(torch.isfinite(chosen), delta, torch.zeros_like(delta))
+    return delta - math.log(log_weights.shape[-1])
