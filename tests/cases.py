@@ -34,3 +34,13 @@ def ar1_ssm(dtype=torch.float64, q=0.19, r=1.0):
     """x_t = 0.9 x_{t-1} + N(0, q) with stationary variance 1 (q = 0.19), y_t = x_t + N(0, r)."""
     one = torch.eye(1, dtype=dtype)
     return LinearGaussianSSM(0.9 * one, q * one, one, r * one, torch.zeros(1, dtype=dtype), one)
+
+
+def assert_same_marginals(out, exact, atol: float = 1e-8, evidence: bool = True) -> None:
+    """``out`` has the means and covariances of ``exact`` (a Kalman filter or RTS result), and
+    with ``evidence`` also its log-evidence and per-step increments, to ``atol``."""
+    torch.testing.assert_close(out.means, exact.means, rtol=0, atol=atol)
+    torch.testing.assert_close(out.covariances, exact.covariances, rtol=0, atol=atol)
+    if evidence:
+        torch.testing.assert_close(out.log_evidence_increments, exact.log_evidence_increments, rtol=0, atol=atol)
+        torch.testing.assert_close(out.log_evidence, exact.log_evidence, rtol=0, atol=atol)
