@@ -18,6 +18,9 @@ its leading dimensions are independent filters. Each state tensor has shape
   forward pass is the same but the new log-weights ``log w[A_i] - stop_grad(log w[A_i]) - log N``
   carry the gradient of the ancestors' weights, and :class:`~pyro_smc.infer.smc.SMC` switches to
   the Fisher-identity score estimator (see ``docs/math/smc.md#stop-gradient-resampling``).
+  ``gradient="marginal_stop_gradient"`` returns the same new log-weights, and ``SMC`` then uses
+  the ``O(N^2)`` marginal estimator (Poyiadjis, Doucet and Singh, 2011), whose variance does not
+  grow with the number of steps (see ``docs/math/smc.md#marginal-stop-gradient``).
 * :class:`SoftResampler`: Karkus et al. (2018); keeps part of the weight gradient.
 * :class:`OTResampler`: the differentiable ensemble transform of Corenflos et al. (2021), an
   entropy-regularised optimal-transport map that is smooth in particles and weights. Integer
@@ -71,7 +74,7 @@ __all__ = [
 Particles = dict[str, Tensor]
 
 #: The ``gradient=`` modes of the index resamplers.
-INDEX_GRADIENT_MODES = ("detach", "stop_gradient")
+INDEX_GRADIENT_MODES = ("detach", "stop_gradient", "marginal_stop_gradient")
 
 
 def _check_particles(particles: Particles, log_weights: Tensor) -> None:
@@ -117,6 +120,13 @@ class _IndexResampler(Resampler):
               score-function terms, so that the gradient of ``log_evidence`` is the
               Fisher-identity estimator of the score (Scibior and Wood, 2021). See
               ``docs/math/smc.md#stop-gradient-resampling``.
+            * ``"marginal_stop_gradient"``: the resampler itself acts as for
+              ``"stop_gradient"`` (same ancestors, values and new log-weights); ``SMC`` then
+              replaces each step's single-ancestor transition score by the score of the marginal
+              (mixture) transition density ``log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)``, over all
+              particle pairs: the ``O(N^2)`` estimator of Poyiadjis, Doucet and Singh (2011), of
+              lower variance on long series. Bootstrap filters only, ``O(B N^2)`` memory per
+              step. See ``docs/math/smc.md#marginal-stop-gradient``.
     """
 
     _scheme = staticmethod(_resample.systematic)
@@ -131,7 +141,7 @@ class _IndexResampler(Resampler):
         _check_particles(particles, log_weights)
         index = self._scheme(log_weights)
         n = log_weights.shape[-1]
-        if self.gradient == "stop_gradient":
+        if self.gradient in ("stop_gradient", "marginal_stop_gradient"):
             return _gather(particles, index), _resample.stop_gradient_log_weights(log_weights, index)
         return _gather(particles, index), torch.full_like(log_weights, -math.log(n))
 
@@ -140,10 +150,12 @@ class MultinomialResampler(_IndexResampler):
     """Multinomial resampling: ancestors drawn i.i.d. from the weights.
 
     Args:
-        gradient: ``"detach"`` (default; the new log-weights are constants) or
+        gradient: ``"detach"`` (default; the new log-weights are constants),
             ``"stop_gradient"`` (they carry the ancestors' weight gradient, and ``SMC`` computes
-            the Fisher-identity score); see the module docstring and
-            ``docs/math/smc.md#stop-gradient-resampling``.
+            the Fisher-identity score) or ``"marginal_stop_gradient"`` (the same, with the
+            ``O(N^2)`` marginal estimator); see the module docstring,
+            ``docs/math/smc.md#stop-gradient-resampling`` and
+            ``docs/math/smc.md#marginal-stop-gradient``.
     """
 
     _scheme = staticmethod(_resample.multinomial)
@@ -153,7 +165,8 @@ class StratifiedResampler(_IndexResampler):
     """Stratified resampling: one uniform per stratum ``[(i-1)/N, i/N)``.
 
     Args:
-        gradient: ``"detach"`` (default) or ``"stop_gradient"``, as for :class:`MultinomialResampler`.
+        gradient: ``"detach"`` (default), ``"stop_gradient"`` or ``"marginal_stop_gradient"``,
+            as for :class:`MultinomialResampler`.
     """
 
     _scheme = staticmethod(_resample.stratified)
@@ -167,6 +180,8 @@ class SystematicResampler(_IndexResampler):
             ``SMC(..., resampler=SystematicResampler(gradient="stop_gradient"))`` makes the gradient
             of ``log_evidence`` the Fisher-identity score estimator, which also reaches the
             parameters of discrete (non-reparameterised) latent sites.
+            ``gradient="marginal_stop_gradient"`` gives the ``O(N^2)`` marginal version of it
+            (bootstrap filters; see ``docs/math/smc.md#marginal-stop-gradient``).
     """
 
     _scheme = staticmethod(_resample.systematic)

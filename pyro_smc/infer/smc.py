@@ -40,6 +40,16 @@ score (a ratio of estimates; the bias is ``O(1/N)``). Proposal parameters get ze
 this mode, and ``NonReparameterizedGradientWarning`` is not raised.
 See ``docs/math/smc.md#stop-gradient-resampling``.
 
+**Marginal stop-gradient mode.** With ``gradient="marginal_stop_gradient"`` (same resampler
+output) each step after the first replaces the single-ancestor score by that of the marginal
+transition density: the log-weight becomes ``stop_grad(log w_{t-1}^i) + log omega_t^i + m_i -
+stop_grad(m_i)``, ``m_i = log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)`` over all particle pairs of a
+filter (one vectorised ``log_prob`` per latent site; ``O(B N^2)`` time and memory per step). The
+forward pass is again unchanged, ``E[Z_hat G] = dZ/dtheta`` still holds exactly, and the variance
+of ``G`` grows far more slowly with ``T`` (Poyiadjis, Doucet and Singh, 2011). Bootstrap filters
+only, ``max_plate_nesting == 0``, and every latent site must depend on the previous state only;
+otherwise ``ValueError``. See ``docs/math/smc.md#marginal-stop-gradient``.
+
 ``num_filters`` independent filters run
 vectorised in one pass: the state then has leading dimensions ``(num_filters, num_particles)``
 (an outer ``pyro.plate("filters")``); with one filter it has ``(num_particles,)`` exactly as
@@ -85,16 +95,26 @@ from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_
 from pyro_smc.infer.smc_checks import (
     NonReparameterizedGradientWarning,
     check_finite_args,
+    check_marginal_supported,
     check_positive_int,
     is_missing,
     warn_non_reparameterized,
 )
-from pyro_smc.infer.smc_weights import ParticleLayout, SMCFailedError, centred_increment, failure, log_weight_terms, score_terms
+from pyro_smc.infer.smc_weights import (
+    ParticleLayout,
+    SMCFailedError,
+    centred_increment,
+    failure,
+    log_weight_terms,
+    pairwise_transition_log_density,
+    score_terms,
+)
+from pyro_smc.ops.resample import log_mixture_density
 from pyro_smc.ops.results import SMCResult
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
-from pyro_smc.tracing import detach_latent_draws, module_context
+from pyro_smc.tracing import detach_latent_draws, is_latent, module_context
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
 
@@ -129,7 +149,7 @@ class SMC:
         num_particles: particles per filter, ``N >= 1``.
         resampler: a resampler from :mod:`pyro_smc.resamplers`; default systematic. An index
             resampler with ``gradient="stop_gradient"`` switches on the Fisher-identity
-            gradient (above).
+            gradient, ``gradient="marginal_stop_gradient"`` its ``O(N^2)`` marginal version (above).
         ess_threshold: resample a filter when its ESS falls below ``ess_threshold * N``;
             in ``(0, 1]``.
         num_filters: independent filters ``B`` run in one vectorised pass.
@@ -382,11 +402,23 @@ class SMC:
             set_rng_state(state)
 
     # --- one step -----------------------------------------------------------------------------
-    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False) -> None:
-        score_function = self.score_function
+    @contextlib.contextmanager
+    def _step_context(self):
         with poutine.block(hide_types=["sample"]), module_context(self.model, self.guide), contextlib.ExitStack() as stack:
             for plate in self._plates:
                 stack.enter_context(plate)
+            yield stack
+
+    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False) -> None:
+        score_function = self.score_function
+        # The marginal estimator needs the previous weights; init (and a step before any weights)
+        # scores its draws along the path, which is the same thing for a parentless draw.
+        marginal = score_function and self.marginal and torch.is_grad_enabled() and self.log_weights is not None
+        if score_function and self.marginal:
+            check_marginal_supported(self.guide, self.max_plate_nesting)
+        if marginal:
+            before = (dict(self.state), plain_attributes(self.model))
+        with self._step_context() as stack:
             if score_function:
                 # Inside the plates, outside the traces: the traces record the detached draws.
                 stack.enter_context(detach_latent_draws())
@@ -408,7 +440,10 @@ class SMC:
         if torch.is_grad_enabled() and not score_function:
             warn_non_reparameterized(model_trace, guide_trace, where, self._warned_sites)
         terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only)
-        score = score_terms(model_trace, guide_trace, self._layout) if score_function and torch.is_grad_enabled() else None
+        if marginal:
+            score = self._marginal_scores(model_fn, model_trace, before, args, kwargs, where)
+        else:
+            score = score_terms(model_trace, guide_trace, self._layout) if score_function and torch.is_grad_enabled() else None
         self._check_state(where)
         if not terms:
             # Nothing was scored (e.g. an init that only sets up bookkeeping, a predict-only step).
@@ -438,13 +473,67 @@ class SMC:
 
     @property
     def score_function(self) -> bool:
-        """Whether the resampler asks for the Fisher-identity gradient (``gradient="stop_gradient"``).
+        """Whether the resampler asks for the Fisher-identity gradient (``gradient="stop_gradient"``
+        or ``"marginal_stop_gradient"``).
 
         Then the proposal draws are detached and every proposal site adds
-        ``log q - stop_grad(log q)`` to its particle's log-weight. See
+        ``log q - stop_grad(log q)`` to its particle's log-weight (in the marginal mode, the
+        marginal transition's score instead; see :attr:`marginal`). See
         ``docs/math/smc.md#stop-gradient-resampling``.
         """
-        return getattr(self.resampler, "gradient", None) == "stop_gradient"
+        return getattr(self.resampler, "gradient", None) in ("stop_gradient", "marginal_stop_gradient")
+
+    @property
+    def marginal(self) -> bool:
+        """Whether the resampler asks for the ``O(N^2)`` marginal estimator (``gradient="marginal_stop_gradient"``).
+
+        Then at every step after the first the particle's log-weight gets
+        ``m_i - stop_grad(m_i)``, ``m_i = log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)`` with the
+        previous (gradient-carrying) log-weights, in place of the single-ancestor score and of the
+        previous log-weight's own gradient. See ``docs/math/smc.md#marginal-stop-gradient``.
+        """
+        return getattr(self.resampler, "gradient", None) == "marginal_stop_gradient"
+
+    def _marginal_scores(self, model_fn, model_trace, before, args, kwargs, where: str) -> Tensor | None:
+        """``m_i - stop_grad(m_i)`` for the step just traced; detaches the previous log-weights,
+        whose gradient now enters through ``m_i`` only. ``None`` when the step drew nothing.
+
+        ``before`` is the state and the model's plain attributes before the step: a step with
+        several latent sites is run once more, from there, with every draw rolled by one particle,
+        to check that no site's distribution depends on another site of the step.
+        """
+        latent = [name for name, site in model_trace.nodes.items() if is_latent(site)]
+        if not latent:
+            return None
+        if len(latent) > 1:
+            self._check_sites_independent(model_fn, model_trace, latent, before, args, kwargs, where)
+        log_f = pairwise_transition_log_density(model_trace, self._layout)
+        m = log_mixture_density(self.log_weights, log_f)
+        self.log_weights = self.log_weights.detach()
+        return torch.where(torch.isfinite(m), m - m.detach(), torch.zeros_like(m))
+
+    def _check_sites_independent(self, model_fn, model_trace, latent, before, args, kwargs, where: str) -> None:
+        after = (dict(self.state), plain_attributes(self.model))
+        dim = len(self._particle_shape) - 1
+        rolled = {name: model_trace.nodes[name]["value"].roll(1, dims=dim) for name in latent}
+        try:
+            dict.clear(self.state)
+            dict.update(self.state, before[0])
+            restore_attributes(self.model, before[1])
+            with self._step_context():
+                check = poutine.trace(poutine.condition(model_fn, data=rolled)).get_trace(self.state, *args, **kwargs)
+        finally:
+            dict.clear(self.state)
+            dict.update(self.state, after[0])
+            restore_attributes(self.model, after[1])
+        for name in latent:
+            value = model_trace.nodes[name]["value"]
+            if not torch.equal(check.nodes[name]["fn"].log_prob(value), model_trace.nodes[name]["fn"].log_prob(value)):
+                raise ValueError(
+                    f"marginal stop-gradient at {where}: the distribution of site '{name}' depends on another "
+                    "latent site of the same step; the marginal estimator needs every latent site to depend on "
+                    "the previous state only (use gradient='stop_gradient')"
+                )
 
     def _add_scores(self, score: Tensor) -> None:
         """Adds a step's score terms (zero in value) when the step scored nothing else.
@@ -556,5 +645,3 @@ class SMC:
                     warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
                 else:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
-
-

@@ -26,7 +26,7 @@ from torch.distributions.utils import lazy_property
 
 from pyro_smc.tracing import is_latent
 
-__all__ = ["NonReparameterizedGradientWarning", "check_finite_args", "check_positive_int", "is_missing", "warn_non_reparameterized"]
+__all__ = ["NonReparameterizedGradientWarning", "check_finite_args", "check_marginal_supported", "check_positive_int", "is_missing", "warn_non_reparameterized"]
 
 
 class NonReparameterizedGradientWarning(UserWarning):
@@ -38,6 +38,25 @@ class NonReparameterizedGradientWarning(UserWarning):
     with stop-gradient resampling, which adds those terms (see
     ``docs/math/smc.md#stop-gradient-resampling``).
     """
+
+
+def check_marginal_supported(guide: Any, max_plate_nesting: int) -> None:
+    """The marginal stop-gradient estimator's scope: a bootstrap filter without model plates.
+    See ``docs/math/smc.md#marginal-stop-gradient``.
+
+    Raises:
+        ValueError: with a guide, or with ``max_plate_nesting > 0``.
+    """
+    if guide is not None:
+        raise ValueError(
+            "gradient='marginal_stop_gradient' supports the bootstrap filter only (guide=None): the marginal "
+            f"proposal density of guide {type(guide).__name__} is not computed; use gradient='stop_gradient'"
+        )
+    if max_plate_nesting:
+        raise ValueError(
+            f"gradient='marginal_stop_gradient' needs max_plate_nesting == 0 (got {max_plate_nesting}): the "
+            "pairwise transition densities are not computed for models with plates; use gradient='stop_gradient'"
+        )
 
 
 def check_positive_int(name: str, value: Any) -> int:

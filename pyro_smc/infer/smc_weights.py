@@ -8,6 +8,9 @@ the terms are added, so a huge constant term cannot round the per-particle diffe
 
 With stop-gradient resampling the proposal draws are detached and :func:`score_terms` gives each
 proposal site's ``log q - stop_grad(log q)``: zero in value, the score of the draw in autograd.
+With marginal stop-gradient resampling :func:`pairwise_transition_log_density` gives
+``log f(x_t^i | x_{t-1}^j)`` for every pair of particles instead
+(see ``docs/math/smc.md#marginal-stop-gradient``).
 
 See ``docs/math/smc.md#one-step-of-the-filter`` and ``docs/math/smc.md#log-evidence-estimate``
 and ``docs/math/smc.md#stop-gradient-resampling``.
@@ -33,7 +36,7 @@ from torch import Tensor
 
 from pyro_smc.tracing import is_latent, is_scored, site_log_probs
 
-__all__ = ["ParticleLayout", "SMCFailedError", "centred_increment", "failure", "log_weight_terms", "score_terms"]
+__all__ = ["ParticleLayout", "SMCFailedError", "centred_increment", "failure", "log_weight_terms", "pairwise_transition_log_density", "score_terms"]
 
 
 class SMCFailedError(SMCFailed):
@@ -129,6 +132,44 @@ def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleL
         score = torch.where(torch.isfinite(log_q), log_q - log_q.detach(), torch.zeros_like(log_q))
         score = layout.batched(score)
         total = score if total is None else total + score
+    return total
+
+
+def pairwise_transition_log_density(model_trace: Trace, layout: ParticleLayout) -> Tensor | None:
+    """``log f(x_t^i | x_{t-1}^j)`` for every pair ``(i, j)`` of particles of a filter.
+
+    Each latent site's distribution ``fn`` has the particle shape as batch shape, its index being
+    the parent ``j`` (the particle whose previous state built it); its value, index ``i``, is
+    reshaped to broadcast against that batch (``(N_i, B, 1, *event)`` against ``(B, N_j)``), so one
+    ``fn.log_prob`` call gives all pairs, with no loop over particles. The sites' terms are summed:
+    several latent sites are fine as long as each depends on the previous state only (checked by
+    the caller). Memory ``O(B N^2)`` (times the event size inside ``log_prob``).
+    See ``docs/math/smc.md#marginal-stop-gradient``.
+
+    Returns:
+        ``(B, N_i, N_j)``, or ``None`` when the step has no latent site.
+
+    Raises:
+        ValueError: a site whose batch shape is not the particle shape, or that is scaled or
+            masked (naming the site).
+    """
+    shape = layout.particle_shape
+    total = None
+    for name, site in model_trace.nodes.items():
+        if not is_latent(site):
+            continue
+        fn, value = site["fn"], site["value"]
+        if tuple(fn.batch_shape) != shape or site.get("mask") is not None or site.get("scale", 1.0) != 1.0:
+            raise ValueError(
+                f"marginal stop-gradient: site '{name}' has batch shape {tuple(fn.batch_shape)}"
+                f"{' and a mask or scale' if tuple(fn.batch_shape) == shape else ''}; every latent site of a step must be "
+                f"an unscaled, unmasked distribution of batch shape exactly {shape} (the particles), indexed by the parent"
+            )
+        if layout.num_filters > 1:
+            pairs = fn.log_prob(value.movedim(1, 0).unsqueeze(2)).movedim(0, 1)  # (B, N_i, N_j)
+        else:
+            pairs = fn.log_prob(value.unsqueeze(1)).unsqueeze(0)  # (1, N_i, N_j)
+        total = pairs if total is None else total + pairs
     return total
 
 

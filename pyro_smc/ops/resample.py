@@ -3,8 +3,11 @@
 Each scheme maps normalised log-weights ``(..., N)`` to ancestor indices ``(..., N)`` (int64)
 such that ``E[#{i: A^i = j}] = N w_j``. The batch dimensions are independent filters.
 Systematic resampling has the lowest variance of the three and is the default of ``SMC``.
-:func:`stop_gradient_log_weights` gives the new log-weights of stop-gradient resampling.
-See ``docs/math/smc.md#index-resampling`` and ``docs/math/smc.md#stop-gradient-resampling``.
+:func:`stop_gradient_log_weights` gives the new log-weights of stop-gradient resampling, and
+:func:`log_mixture_density` the marginal (mixture) transition log-density of the marginal
+stop-gradient estimator.
+See ``docs/math/smc.md#index-resampling`` and ``docs/math/smc.md#stop-gradient-resampling``
+and ``docs/math/smc.md#marginal-stop-gradient``.
 
 Example:
     >>> import torch
@@ -26,7 +29,7 @@ from torch import Tensor
 
 from pyro_smc.ops.weights import check_log_weights
 
-__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "stop_gradient_log_weights"]
+__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "stop_gradient_log_weights", "log_mixture_density"]
 
 
 def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> Tensor:
@@ -124,3 +127,30 @@ def stop_gradient_log_weights(log_weights: Tensor, index: Tensor) -> Tensor:
     delta = chosen - chosen.detach()
     delta = torch.where(torch.isfinite(chosen), delta, torch.zeros_like(delta))
     return delta - math.log(log_weights.shape[-1])
+
+
+def log_mixture_density(log_weights: Tensor, log_kernel: Tensor) -> Tensor:
+    """``m_i = log sum_j w_j k(x_i | x'_j)``: each new point's log-density under the weighted mixture.
+
+    Args:
+        log_weights: normalised log-weights of the parents, shape ``(..., N_j)``.
+        log_kernel: ``log k(x_i | x'_j)`` for every pair, shape ``(..., N_i, N_j)``.
+
+    Returns:
+        ``(..., N_i)``. Differentiable in both arguments; a row with no finite term (every
+        parent of zero weight or zero density) gives ``-inf`` and a zero gradient, not NaN.
+        Memory ``O(N_i N_j)`` per batch element.
+        See ``docs/math/smc.md#marginal-stop-gradient``.
+
+    Example:
+        >>> lw = torch.tensor([0.25, 0.75]).log()
+        >>> log_k = torch.tensor([[1.0, 1.0], [0.0, 2.0]]).log()
+        >>> [round(v, 6) for v in log_mixture_density(lw, log_k).exp().tolist()]
+        [1.0, 1.5]
+    """
+    joint = log_weights.unsqueeze(-2) + log_kernel
+    dead = ~(joint.detach().amax(-1, keepdim=True) > -math.inf)
+    # A row of -inf would give NaN gradients through logsumexp; it is masked and set back to -inf.
+    safe = torch.where(dead, torch.zeros_like(joint), joint)
+    out = torch.logsumexp(safe, dim=-1)
+    return torch.where(dead.squeeze(-1), torch.full_like(out, -math.inf), out)
