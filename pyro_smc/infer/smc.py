@@ -197,15 +197,13 @@ class SMC:
         self.resampler = resampler if resampler is not None else SystematicResampler()
         self.ess_threshold = float(ess_threshold)
         self.max_plate_nesting = max_plate_nesting
+        # Fixed for the engine's life; read several times per step.
+        self._layout = ParticleLayout(self.num_filters, self.num_particles, self.max_plate_nesting)
         self.progress_bar = bool(progress_bar)
         self.state = SMCState()
         self._reset()
 
     # --- public loop --------------------------------------------------------------------------
-    @property
-    def _layout(self) -> ParticleLayout:
-        return ParticleLayout(self.num_filters, self.num_particles, self.max_plate_nesting)
-
     @property
     def _particle_shape(self) -> tuple[int, ...]:
         return self._layout.particle_shape
