@@ -89,6 +89,9 @@ def _gather(particles: Particles, index: Tensor) -> Particles:
     """Selects ancestors ``index`` (shape ``(..., N)``) along the particle dimension."""
     out = {}
     for key, value in particles.items():
+        if value.dim() == index.dim():
+            out[key] = value.gather(index.dim() - 1, index)
+            continue
         idx = index.reshape(index.shape + (1,) * (value.dim() - index.dim())).expand(index.shape + value.shape[index.dim() :])
         out[key] = value.gather(index.dim() - 1, idx)
     return out

@@ -4,7 +4,7 @@
 user programs written with ``pyro.sample``/``pyro.param`` and read the same things off their
 traces: which sites are latent, each site's scaled and masked log-density, and the parameters a
 run touched. This module is the one place that does it, on top of Pyro's own machinery
-(``poutine.trace`` and ``Trace.compute_log_prob``), so every engine agrees on what a latent site
+(``poutine.trace``, and ``Trace.compute_log_prob``'s rule for a site's log-density), so every engine agrees on what a latent site
 is and how a log-density is scaled.
 
 The rules, the same as Pyro's inference algorithms:
@@ -40,6 +40,7 @@ from typing import Any
 
 import pyro.poutine as poutine
 from pyro.nn import PyroModule
+from pyro.distributions.util import scale_and_mask
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.trace_struct import Trace
 from pyro.poutine.util import site_is_subsample
@@ -80,8 +81,12 @@ def param_sites(trace: Trace) -> list[str]:
 def site_log_probs(trace: Trace, names: Iterator[str] | None = None) -> dict[str, Tensor]:
     """Scaled and masked log-densities of a trace's sample sites, by name.
 
-    Computed by Pyro's ``Trace.compute_log_prob`` (memoised on the trace), so a site's ``scale``
-    and ``mask`` are applied exactly as in Pyro's ELBOs.
+    Computed as Pyro's ``Trace.compute_log_prob`` computes them (``fn.log_prob(value, *args)``,
+    then Pyro's ``scale_and_mask``) and memoised on the trace in the same node fields
+    (``unscaled_log_prob``, ``log_prob``), so a site's ``scale`` and ``mask`` are applied exactly as
+    in Pyro's ELBOs. Unlike ``compute_log_prob`` it neither sums each site nor runs the
+    validation-time NaN/inf warnings: those cost a device synchronisation per site per time step,
+    and every engine checks its own weights (naming the site) instead.
 
     Args:
         trace: a Pyro trace.
@@ -89,14 +94,24 @@ def site_log_probs(trace: Trace, names: Iterator[str] | None = None) -> dict[str
 
     Returns:
         ``{name: log_prob}``, each of the site distribution's batch shape.
+
+    Raises:
+        ValueError: a distribution rejects its value (the message names the site and the trace's shapes).
     """
     wanted = None if names is None else set(names)
-    trace.compute_log_prob(lambda name, site: is_scored(site) and (wanted is None or name in wanted))
-    return {
-        name: site["log_prob"]
-        for name, site in trace.nodes.items()
-        if is_scored(site) and (wanted is None or name in wanted)
-    }
+    out = {}
+    for name, site in trace.nodes.items():
+        if not is_scored(site) or (wanted is not None and name not in wanted):
+            continue
+        if "log_prob" not in site:
+            try:
+                log_p = site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
+            except ValueError as error:
+                raise ValueError(f"Error while computing log_prob at site '{name}':\n{error}\n{trace.format_shapes(last_site=name)}") from error
+            site["unscaled_log_prob"] = log_p
+            site["log_prob"] = scale_and_mask(log_p, site["scale"], site["mask"])
+        out[name] = site["log_prob"]
+    return out
 
 
 @contextlib.contextmanager

@@ -87,6 +87,7 @@ from typing import Any, Callable
 import pyro
 import pyro.distributions as dist
 import pyro.poutine as poutine
+from pyro.nn import PyroModule
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -112,6 +113,7 @@ from pyro_smc.infer.smc_weights import (
 from pyro_smc.ops.resample import log_mixture_density
 from pyro_smc.ops.results import SMCResult
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
+from pyro_smc.ops.weights import all_finite
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
 from pyro_smc.tracing import detach_latent_draws, is_latent, module_context
@@ -227,6 +229,8 @@ class SMC:
         self._unrecorded_increment: Tensor | None = None
         self._warned_sites: set[str] = set()
         mpn = self.max_plate_nesting
+        self._block = poutine.block(hide_types=["sample"])
+        self._has_modules = isinstance(self.model, PyroModule) or isinstance(self.guide, PyroModule)
         self._plates = [pyro.plate("particles", self.num_particles, dim=-1 - mpn)]
         if self.num_filters > 1:
             self._plates.insert(0, pyro.plate("filters", self.num_filters, dim=-2 - mpn))
@@ -402,10 +406,15 @@ class SMC:
     # --- one step -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def _step_context(self):
-        with poutine.block(hide_types=["sample"]), module_context(self.model, self.guide), contextlib.ExitStack() as stack:
+        # The handlers are built once (in _reset) and re-entered each step: building them costs
+        # more than the rest of a small step's bookkeeping.
+        with self._block, self._modules() if self._has_modules else contextlib.nullcontext(), contextlib.ExitStack() as stack:
             for plate in self._plates:
                 stack.enter_context(plate)
             yield stack
+
+    def _modules(self):
+        return module_context(self.model, self.guide)
 
     def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False) -> None:
         score_function = self.score_function
@@ -422,11 +431,15 @@ class SMC:
                 stack.enter_context(detach_latent_draws())
             guide_trace = None
             try:
+                # poutine.trace() as a context manager: get_trace would copy the trace each step.
                 if guide_fn is not None:
-                    with self.state._lock():
-                        guide_trace = poutine.trace(guide_fn).get_trace(self.state, *args, **kwargs)
+                    with self.state._lock(), poutine.trace() as tracer:
+                        guide_fn(self.state, *args, **kwargs)
+                    guide_trace = tracer.trace
                     model_fn = poutine.replay(model_fn, trace=guide_trace)
-                model_trace = poutine.trace(model_fn).get_trace(self.state, *args, **kwargs)
+                with poutine.trace() as tracer:
+                    model_fn(self.state, *args, **kwargs)
+                model_trace = tracer.trace
             except ValueError as error:
                 if "collide" not in str(error):
                     raise
@@ -460,7 +473,7 @@ class SMC:
             self._init_weights(increment)
         joint = self.log_weights + increment
         log_norm = torch.logsumexp(joint, dim=-1)
-        if not bool(torch.isfinite(log_norm).all()):
+        if not all_finite(log_norm):
             raise failure(terms, self._layout, where)
         self.log_weights = joint - log_norm.unsqueeze(-1)
         increment = log_norm + offset

