@@ -5,9 +5,10 @@ such that ``E[#{i: A^i = j}] = N w_j``. The batch dimensions are independent fil
 Systematic resampling has the lowest variance of the three and is the default of ``SMC``.
 :func:`stop_gradient_log_weights` gives the new log-weights of stop-gradient resampling, and
 :func:`log_mixture_density` the marginal (mixture) transition log-density of the marginal
-stop-gradient estimator.
+stop-gradient estimator. :func:`kernel_mixture_log_density` is the log-density of a weighted
+Gaussian kernel mixture, the ingredient of kernel (mixture) resampling.
 See ``docs/math/smc.md#index-resampling`` and ``docs/math/smc.md#stop-gradient-resampling``
-and ``docs/math/smc.md#marginal-stop-gradient``.
+and ``docs/math/smc.md#marginal-stop-gradient`` and ``docs/math/smc.md#kernel-mixture-resampling``.
 
 Example:
     >>> import torch
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from pyro_smc.ops.weights import check_log_weights
 
-__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "stop_gradient_log_weights", "log_mixture_density"]
+__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "stop_gradient_log_weights", "log_mixture_density", "kernel_mixture_log_density"]
 
 
 def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> Tensor:
@@ -170,3 +171,52 @@ def log_mixture_density(log_weights: Tensor, log_kernel: Tensor) -> Tensor:
     safe = torch.where(dead, torch.zeros_like(joint), joint)
     out = torch.logsumexp(safe, dim=-1)
     return torch.where(dead.squeeze(-1), torch.full_like(out, -math.inf), out)
+
+
+def kernel_mixture_log_density(points: Tensor, centres: Tensor, log_weights: Tensor, bandwidth: Tensor, allowed: Tensor | None = None) -> Tensor:
+    """``log m(x_i)``, ``m(x) = sum_j w_j N(x; c_j, diag(h^2))``: a weighted Gaussian kernel mixture.
+
+    Coordinates with bandwidth exactly ``0`` are point masses: they contribute no factor, which
+    is exact only when every centre of positive weight has the same value there (as for a
+    bandwidth proportional to the weighted standard deviation). All ``M N`` pairs are formed,
+    by the expansion ``|u|^2 + |v|^2 - 2 u.v`` of the squared distance in scaled coordinates
+    ``u = (x - c_bar) / h`` centred at the (detached) weighted mean ``c_bar`` of the centres, so
+    memory is ``O(M N)`` per batch element, not ``O(M N D)``; its rounding error is about
+    ``eps * max|u|^2`` in the exponent. See ``docs/math/smc.md#kernel-mixture-resampling``.
+
+    Args:
+        points: where to evaluate, shape ``(..., M, D)``.
+        centres: kernel centres, shape ``(..., N, D)``.
+        log_weights: normalised log-weights of the centres, shape ``(..., N)``.
+        bandwidth: kernel standard deviations ``h >= 0``, broadcastable to ``(..., D)``.
+        allowed: optional bool ``(..., M, N)``; ``False`` drops centre ``j`` from the mixture at
+            point ``i`` (a point mass in some other coordinate that the two do not share).
+
+    Returns:
+        ``(..., M)``, differentiable in ``points``, ``centres``, ``log_weights`` and ``bandwidth``.
+        A point with no allowed centre of positive weight gets ``-inf`` and a zero gradient.
+
+    Example:
+        >>> lw = torch.tensor([0.25, 0.75]).log()
+        >>> c = torch.tensor([[0.0], [1.0]])
+        >>> m = kernel_mixture_log_density(torch.tensor([[0.0]]), c, lw, torch.tensor(1.0))
+        >>> ref = torch.distributions.Normal(c.squeeze(-1), 1.0).log_prob(torch.zeros(2)).add(lw).logsumexp(-1)
+        >>> bool(torch.allclose(m, ref))
+        True
+    """
+    h = torch.as_tensor(bandwidth, dtype=points.dtype, device=points.device)
+    h = h.broadcast_to(torch.broadcast_shapes(h.shape, points.shape[:-2] + points.shape[-1:]))
+    point = h == 0
+    safe_h = torch.where(point, torch.ones_like(h), h)
+    shift = (log_weights.detach().exp().unsqueeze(-1) * centres.detach()).sum(-2, keepdim=True)
+    u = (points - shift) / safe_h.unsqueeze(-2)
+    v = (centres - shift) / safe_h.unsqueeze(-2)
+    if bool(point.any()):
+        u = torch.where(point.unsqueeze(-2), torch.zeros_like(u), u)
+        v = torch.where(point.unsqueeze(-2), torch.zeros_like(v), v)
+    sq = (u * u).sum(-1, keepdim=True) + (v * v).sum(-1).unsqueeze(-2) - 2 * (u @ v.transpose(-1, -2))
+    log_norm = torch.where(point, torch.zeros_like(h), safe_h.log() + 0.5 * math.log(2 * math.pi))
+    log_kernel = -0.5 * sq.clamp(min=0) - log_norm.sum(-1)[..., None, None]
+    if allowed is not None:
+        log_kernel = log_kernel.masked_fill(~allowed, -math.inf)
+    return log_mixture_density(log_weights, log_kernel)
