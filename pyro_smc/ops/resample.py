@@ -87,6 +87,10 @@ def stratified(log_weights: Tensor, generator: torch.Generator | None = None) ->
 def systematic(log_weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Systematic resampling: one uniform ``u ~ U(0, 1/N)`` shared by all points ``u + (i-1)/N``.
 
+    From 400 weights on, the ancestors come from the closed-form count of points below each
+    cumulative weight (``O(N)``) instead of a binary search per point.
+    See ``docs/math/smc.md#index-resampling``.
+
     Args:
         log_weights: normalised log-weights, shape ``(..., N)``.
         generator: optional random generator.
