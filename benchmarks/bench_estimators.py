@@ -44,9 +44,9 @@ what the gradient standard deviation is computed over. So the models are stated 
    theta = 0.9, T = 100, N = 100. Gradient bias and SD of ``d log Z_hat / d theta`` against the exact
    Kalman score (``LinearGaussianSSM(...).log_evidence(ys)``, autograd, float64). The stop-gradient
    estimator's exactly unbiased form ``(Z_hat / Z) G`` is shown as an extra row.
-   PyDPF's proposal-learning task (optimal-proposal ELBO -1797.69) is **not** rebuilt: its state
-   dimension, T, parameters and data are not in any retrievable text, and an ELBO of that size is
-   not reproducible without them.
+   PyDPF's proposal-learning task (optimal-proposal ELBO -1797.69) is in ``bench_estimators_proposal.py``
+   (its own result file): only PyDPF's dimensions (dx = 25, dy = 1) and ELBOs were retrievable, not
+   its model matrices or schedule, so that task is defined there and its ELBOs are not comparable.
 
 PyDPF's published figures (SV, N = 100, T = 100, learning alpha) are printed beside ours with ratios.
 Goal (the issue): our exact OT beats PyDPF's OT on every row by a wide margin (taken as >= 2x) and at
