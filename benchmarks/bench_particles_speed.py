@@ -204,9 +204,9 @@ def main():
         for n in progress(sizes, f"T = {T}", args):
             t = timeit_interleaved(
                 {
-                    "particles": lambda: run_particles(fk, n),
-                    "ours": lambda: run_ours(ys, n),
-                    "ours_noval": lambda: run_ours(ys, n, validate=False),
+                    "particles": lambda fk=fk, n=n: run_particles(fk, n),
+                    "ours": lambda ys=ys, n=n: run_ours(ys, n),
+                    "ours_noval": lambda ys=ys, n=n: run_ours(ys, n, validate=False),
                 },
                 repeats=repeats,
             )
