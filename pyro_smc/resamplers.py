@@ -135,9 +135,21 @@ class _IndexResampler(Resampler):
               particle pairs: the ``O(N^2)`` estimator of Poyiadjis, Doucet and Singh (2011), of
               lower variance on long series. Bootstrap filters only, ``O(B N^2)`` memory per
               step. See ``docs/math/smc.md#marginal-stop-gradient``.
+
+    Attributes:
+        last_ancestors: the ancestor indices the last call drew, shape ``log_weights.shape``
+            (``(..., N)``; new particle ``i`` is old particle ``last_ancestors[..., i]``), int64;
+            ``None`` before the first call. Set at each call, the return value is unchanged;
+            :meth:`SMC.smooth <pyro_smc.infer.smc.SMC.smooth>` reads it for the genealogy.
     """
 
     _scheme = staticmethod(_resample.systematic)
+    _last_ancestors: Tensor | None = None
+
+    @property
+    def last_ancestors(self) -> Tensor | None:
+        """The ancestors of the last call (see the class docstring)."""
+        return self._last_ancestors
 
     def __init__(self, gradient: str | None = "detach"):
         gradient = "detach" if gradient is None else gradient
@@ -148,6 +160,7 @@ class _IndexResampler(Resampler):
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
         _check_particles(particles, log_weights)
         index = self._scheme(log_weights)
+        self._last_ancestors = index
         n = log_weights.shape[-1]
         if self.gradient in ("stop_gradient", "marginal_stop_gradient"):
             return _gather(particles, index), _resample.stop_gradient_log_weights(log_weights, index)
@@ -210,16 +223,28 @@ class SoftResampler(Resampler):
 
     Args:
         alpha: mixing weight in ``(0, 1]``.
+
+    Attributes:
+        last_ancestors: the ancestor indices ``A`` of the last call, shape ``(..., N)`` (``None``
+            before the first call), as for the index resamplers.
     """
+
+    _last_ancestors: Tensor | None = None
 
     def __init__(self, alpha: float = 0.5):
         self.alpha = _check_unit_interval("alpha", alpha)
+
+    @property
+    def last_ancestors(self) -> Tensor | None:
+        """The ancestors of the last call (see the class docstring)."""
+        return self._last_ancestors
 
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
         _check_particles(particles, log_weights)
         n = log_weights.shape[-1]
         log_mix = torch.logaddexp(log_weights + math.log(self.alpha), torch.full_like(log_weights, math.log1p(-self.alpha) - math.log(n)))
         index = _resample.multinomial(log_mix)
+        self._last_ancestors = index
         new_log_w = (log_weights - log_mix).gather(-1, index)
         return _gather(particles, index), new_log_w - new_log_w.logsumexp(-1, keepdim=True)
 

@@ -69,6 +69,16 @@ Example:
     >>> smc.filtering_means["x"].shape                      # (T, num_filters, d)
     torch.Size([20, 4, 2])
 
+With ``store_history=True``, :meth:`SMC.smooth` draws smoothed trajectories by forward filtering,
+backward sampling (any resampler) or along the genealogy (index resamplers);
+see ``docs/math/smc.md#particle-smoothing``:
+
+    >>> smc = SMC(ssm, num_particles=100, num_filters=4, store_history=True).run(ys)
+    >>> smc.smooth(10)["x"].shape                           # (num_samples, T, num_filters, d)
+    torch.Size([10, 20, 4, 2])
+    >>> smc.smooth(10, method="genealogy")["x"].shape
+    torch.Size([10, 20, 4, 2])
+
 Reference:
     Corenflos, Thornton, Deligiannidis, Doucet (2021). Differentiable particle filtering via
     entropy-regularized optimal transport. ICML.
@@ -101,6 +111,7 @@ from pyro_smc.infer.smc_checks import (
     is_missing,
     warn_non_reparameterized,
 )
+from pyro_smc.infer import smc_smoothing as smoothing
 from pyro_smc.infer.smc_scores import ScoreFunctionMixin
 from pyro_smc.infer.smc_weights import (
     ParticleLayout,
@@ -156,6 +167,10 @@ class SMC(ScoreFunctionMixin):
         num_filters: independent filters ``B`` run in one vectorised pass.
         max_plate_nesting: number of plates the model uses inside a step (as in SMCFilter).
         progress_bar: show a tqdm progress bar in :meth:`run` (off by default; the CLI demo turns it on).
+        store_history: keep, per step, the weighted particles, the particles the step propagated
+            from with their log-weights, its latent sites' distributions and the resampler's
+            ancestors, for :meth:`smooth` (memory ``O(T B N)``; off by default). The history is
+            part of :meth:`state_dict`.
 
     Attributes:
         state: the particle state (:class:`SMCState`).
@@ -181,6 +196,7 @@ class SMC(ScoreFunctionMixin):
         num_filters: int = 1,
         max_plate_nesting: int = 0,
         progress_bar: bool = False,
+        store_history: bool = False,
     ):
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.num_filters = check_positive_int("num_filters", num_filters)
@@ -201,6 +217,7 @@ class SMC(ScoreFunctionMixin):
         # Fixed for the engine's life; read several times per step.
         self._layout = ParticleLayout(self.num_filters, self.num_particles, self.max_plate_nesting)
         self.progress_bar = bool(progress_bar)
+        self.store_history = bool(store_history)
         self.state = SMCState()
         self._reset()
 
@@ -227,6 +244,9 @@ class SMC(ScoreFunctionMixin):
         # log p_hat of the scoring since the last recorded step (an init's term joins step 0).
         self._unrecorded_increment: Tensor | None = None
         self._warned_sites: set[str] = set()
+        # Per step, what smooth() needs (store_history); the record of the step being taken.
+        self._history: list[dict] = []
+        self._pending_record: dict | None = None
         mpn = self.max_plate_nesting
         self._block = poutine.block(hide_types=["sample"])
         self._has_modules = isinstance(self.model, PyroModule) or isinstance(self.guide, PyroModule)
@@ -342,6 +362,41 @@ class SMC(ScoreFunctionMixin):
             raise RuntimeError("SMC has not been run; call init/step or run first")
         return self._weighted
 
+    def smooth(self, num_samples: int, method: str = "ffbs") -> dict[str, Tensor]:
+        """Draws ``num_samples`` trajectories per filter from the particle smoother (needs ``store_history=True``).
+
+        ``method="ffbs"`` (forward filtering, backward sampling) draws the last state by the final
+        weights, then each earlier state among the particles the next step propagated from, with
+        probability proportional to their weight times the transition density
+        ``f(x_t | x_{t-1})``; any resampler (after an optimal-transport resampling the parents
+        are the transported particles). ``O(S B N)`` per step. It needs ``max_plate_nesting == 0``
+        and every latent site of a step to depend on the previous state only (not on another
+        latent site of the same step; not checked). ``method="genealogy"`` follows the ancestral
+        lines of particles drawn by the final weights (path-space smoothing: cheap, but the
+        lines coalesce, so early times have few distinct values); index resamplers only.
+        See ``docs/math/smc.md#particle-smoothing``.
+
+        Returns:
+            ``{key: (num_samples, T, B, *event)}`` for every floating-point state key, ``T`` the
+            number of steps taken, detached.
+
+        Raises:
+            RuntimeError: the engine was built without ``store_history=True``, or has taken no step.
+            ValueError: an unknown ``method``, ``num_samples < 1``, ``"genealogy"`` with a resampler
+                that draws no ancestors (``OTResampler``), ``"ffbs"`` with model plates.
+        """
+        if not self.store_history:
+            raise RuntimeError("SMC.smooth needs the particle history: build the engine with SMC(..., store_history=True)")
+        if method not in smoothing.SMOOTHING_METHODS:
+            raise ValueError(f"method must be one of {smoothing.SMOOTHING_METHODS}, got {method!r}")
+        check_positive_int("num_samples", num_samples)
+        if not self._history:
+            raise RuntimeError("SMC has not taken a step; call run(observations) (or init() and step()) before smooth")
+        if method == "ffbs" and self.max_plate_nesting:
+            raise ValueError(f"method='ffbs' needs max_plate_nesting == 0 (got {self.max_plate_nesting}): steps with model plates are not supported")
+        has_ancestors = hasattr(self.resampler, "last_ancestors")
+        return smoothing.smooth(self._history, num_samples, method, self._layout, has_ancestors)
+
     def get_empirical(self) -> dict[str, dist.Empirical]:
         """The weighted particle approximation of each state tensor, as ``SMCFilter`` returns it.
 
@@ -375,6 +430,7 @@ class SMC(ScoreFunctionMixin):
             "converged": None if self._converged is None else [v.clone() for v in self._converged],
             "unrecorded_increment": detached(self._unrecorded_increment),
             "resampled": [v.clone() for v in self._resampled],
+            "history": [smoothing.detached_record(record) for record in self._history],
             "model_attributes": plain_attributes(self.model),
             "guide_attributes": plain_attributes(self.guide),
             **rng_state(),
@@ -397,6 +453,7 @@ class SMC(ScoreFunctionMixin):
         self._unrecorded_increment = state.get("unrecorded_increment")
         self._converged = None if state.get("converged") is None else list(state["converged"])
         self._resampled = list(state["resampled"])
+        self._history = list(state.get("history", []))
         restore_attributes(self.model, state["model_attributes"])
         restore_attributes(self.guide, state["guide_attributes"])
         if restore_rng:
@@ -424,6 +481,7 @@ class SMC(ScoreFunctionMixin):
             check_marginal_supported(self.guide, self.max_plate_nesting)
         if marginal:
             before = (dict(self.state), plain_attributes(self.model))
+        parent = (self._batched_state(), self.log_weights) if self.store_history and self.log_weights is not None else None
         with self._step_context() as stack:
             if score_function:
                 # Inside the plates, outside the traces: the traces record the detached draws.
@@ -450,6 +508,8 @@ class SMC(ScoreFunctionMixin):
         if torch.is_grad_enabled() and not score_function:
             warn_non_reparameterized(model_trace, guide_trace, where, self._warned_sites)
         terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only)
+        if self.store_history and where != "init":
+            self._pending_record = smoothing.step_record(model_trace, self.state, parent, self._layout)
         if marginal:
             score = self._marginal_scores(model_fn, model_trace, before, args, kwargs, where)
         else:
@@ -522,10 +582,17 @@ class SMC(ScoreFunctionMixin):
             self._unrecorded_increment = None
         # References, not copies: resampling replaces the state tensors instead of mutating them.
         self._weighted = (dict(self.state), log_w)
+        record = None
+        if self._pending_record is not None:
+            record, self._pending_record = self._pending_record, None
+            smoothing.record_weighted(record, self.state, log_w, self._layout)
+            self._history.append(record)
         need = ess < self.ess_threshold * self.num_particles
         self._step_converged = None
         if self.state and bool(need.any()):
             self._resample(need, where)
+            if record is not None:
+                smoothing.record_resampling(record, need, getattr(self.resampler, "last_ancestors", None), self._layout)
         if where != "init":
             self._resampled.append(need if self.state else torch.zeros_like(need))
             if self._step_converged is not None and self._converged is None:
