@@ -109,6 +109,7 @@ from pyro_smc.infer.smc_checks import (
     check_marginal_supported,
     check_positive_int,
     is_missing,
+    observed_components,
     warn_non_reparameterized,
 )
 from pyro_smc.infer import smc_smoothing as smoothing
@@ -268,18 +269,25 @@ class SMC(ScoreFunctionMixin):
         A step whose observation (the first positional argument) is ``None`` or all-NaN is
         predict-only: the particles move by the model's own transition (the guide is not
         called, since it may need the observation) and no observed site is scored, so the
-        weights and ``log_evidence`` do not change. A partly-NaN or infinite argument is an error.
-        See ``docs/math/smc.md#missing-observations``.
+        weights and ``log_evidence`` do not change. A partly-NaN observation is scored on its
+        observed entries only: the model gets it with the missing entries set to zero, the site
+        that observes it must factorise over its entries (``Normal(...).to_event(1)``; a
+        ``MultivariateNormal`` is an error), and the guide is not called (the model's transition
+        proposes, as in a predict-only step). An infinite observation, or a NaN in another
+        argument, is an error. See ``docs/math/smc.md#missing-observations``.
         """
         missing = is_missing(args)
+        args, observed = _fill_missing(args, missing)
         check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
-        return self._step(args, kwargs, missing)
+        return self._step(args, kwargs, missing, observed)
 
-    def _step(self, args, kwargs, predict_only: bool = False) -> SMC:
+    def _step(self, args, kwargs, predict_only: bool = False, observed: Tensor | None = None) -> SMC:
         if not self._initialized:
             raise RuntimeError("SMC.step called before SMC.init")
-        guide_step = self.guide.step if self.guide is not None and not predict_only else None
-        self._propagate(self.model.step, guide_step, args, kwargs, f"time step {self._t}", predict_only)
+        where = f"time step {self._t}"
+        partial = None if observed is None else (args[0], observed, where)
+        guide_step = self.guide.step if self.guide is not None and not predict_only and partial is None else None
+        self._propagate(self.model.step, guide_step, args, kwargs, where, predict_only, partial)
         self._t += 1
         return self
 
@@ -287,8 +295,9 @@ class SMC(ScoreFunctionMixin):
         """``init(*args)`` then ``step(observations[t], *args)`` for every leading-dim slice.
 
         Args:
-            observations: tensor ``(T, ...)``. A step whose slice is all-NaN is predict-only (see
-                :meth:`step`); a partly-NaN or infinite slice is an error naming the step.
+            observations: tensor ``(T, ...)``. A step whose slice is all-NaN is predict-only, a
+                partly-NaN slice is scored on its observed entries (see :meth:`step`); an
+                infinite slice is an error naming the step.
 
         Returns:
             ``self``, with ``log_evidence`` and the per-step histories filled in.
@@ -298,16 +307,21 @@ class SMC(ScoreFunctionMixin):
         if observations.dim() == 0:
             raise ValueError("observations must have a leading time dimension, got a scalar")
         missing = [False] * observations.shape[0]
+        partly = set()
         if observations.is_floating_point():
             flat = observations.reshape(observations.shape[0], -1)
-            missing = (torch.isnan(flat).all(-1) & (flat.shape[-1] > 0)).tolist()
-            for t in (~torch.isfinite(flat).all(-1)).nonzero()[:, 0].tolist():
-                if not missing[t]:
-                    check_finite_args((observations[t],), {}, f"time step {t}")
+            nan = torch.isnan(flat)
+            missing = (nan.all(-1) & (flat.shape[-1] > 0)).tolist()
+            partly = set((nan.any(-1) & ~nan.all(-1)).nonzero()[:, 0].tolist())
+            for t in torch.isinf(flat).any(-1).nonzero()[:, 0].tolist():
+                check_finite_args((observations[t],), {}, f"time step {t}")
         self.init(*args, **kwargs)
         for t in tqdm(range(observations.shape[0]), desc="SMC", disable=not self.progress_bar, leave=False):
             # Observations were checked above, all at once.
-            self._step((observations[t],) + args, kwargs, missing[t])
+            y, observed = observations[t], None
+            if t in partly:
+                (y,), observed = _fill_missing((y,), False)
+            self._step((y,) + args, kwargs, missing[t], observed)
         return self
 
     # --- results ------------------------------------------------------------------------------
@@ -472,7 +486,7 @@ class SMC(ScoreFunctionMixin):
     def _modules(self):
         return module_context(self.model, self.guide)
 
-    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False) -> None:
+    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False, partial=None) -> None:
         score_function = self.score_function
         # The marginal estimator needs the previous weights; init (and a step before any weights)
         # scores its draws along the path, which is the same thing for a parentless draw.
@@ -507,7 +521,7 @@ class SMC(ScoreFunctionMixin):
                 ) from error
         if torch.is_grad_enabled() and not score_function:
             warn_non_reparameterized(model_trace, guide_trace, where, self._warned_sites)
-        terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only)
+        terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only, partial)
         if self.store_history and where != "init":
             self._pending_record = smoothing.step_record(model_trace, self.state, parent, self._layout)
         if marginal:
@@ -642,3 +656,13 @@ class SMC(ScoreFunctionMixin):
                     warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
                 else:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
+
+
+def _fill_missing(args: tuple, missing: bool) -> tuple[tuple, Tensor | None]:
+    """``(args, observed)``: a partly-NaN observation (the first argument) with its missing entries
+    set to zero, and the mask of its observed entries (``None`` when nothing is partly missing)."""
+    observed = None if missing else observed_components(args)
+    if observed is None:
+        return args, None
+    y = args[0]
+    return (torch.where(observed, y, torch.zeros_like(y)),) + tuple(args[1:]), observed

@@ -1,8 +1,9 @@
 """Input checks and warnings of the SMC engine, each naming the argument or the time step.
 
 A step's observation is its first positional argument; ``None`` or an all-NaN tensor is a missing
-observation (a predict-only step, the rule every engine follows); a partly-NaN or infinite
-argument is an error. Proposal sites that cannot carry their parameters' gradient are warned
+observation (a predict-only step, the rule every engine follows); a partly-NaN observation has its
+missing components masked (:func:`observed_components`); an infinite argument, or a NaN in any
+other argument, is an error. Proposal sites that cannot carry their parameters' gradient are warned
 about once per site.
 
 Example:
@@ -26,7 +27,15 @@ from torch.distributions.utils import lazy_property
 
 from pyro_smc.tracing import is_latent
 
-__all__ = ["NonReparameterizedGradientWarning", "check_finite_args", "check_marginal_supported", "check_positive_int", "is_missing", "warn_non_reparameterized"]
+__all__ = [
+    "NonReparameterizedGradientWarning",
+    "check_finite_args",
+    "check_marginal_supported",
+    "check_positive_int",
+    "is_missing",
+    "observed_components",
+    "warn_non_reparameterized",
+]
 
 
 class NonReparameterizedGradientWarning(UserWarning):
@@ -140,15 +149,24 @@ def _distribution_name(fn: Distribution) -> str:
 
 
 def check_finite_args(args: tuple, kwargs: dict, where: str) -> None:
-    """Rejects a partly-NaN or infinite tensor argument of a step, naming the step."""
+    """Rejects a NaN or infinite tensor argument of a step, naming the step (the caller passes the
+    observation with its missing components already filled in)."""
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
             if bool(torch.isinf(value).any()):
                 raise ValueError(f"observation at {where} contains inf")
-            raise ValueError(
-                f"observation at {where} is partly NaN; a wholly missing observation (None or all-NaN) "
-                f"is a predict-only step, a partly missing one is not supported by SMC"
-            )
+            raise ValueError(f"a step argument at {where} contains NaN (only the observation, the first argument, may be missing)")
+
+
+def observed_components(args: tuple) -> Tensor | None:
+    """For a partly-NaN observation (the first positional argument: some entries NaN, not all),
+    the mask of its observed entries; ``None`` otherwise. See ``docs/math/smc.md#missing-observations``."""
+    if not args or not isinstance(args[0], Tensor) or not args[0].is_floating_point():
+        return None
+    nan = torch.isnan(args[0])
+    if not bool(nan.any()) or bool(nan.all()):
+        return None
+    return ~nan
 
 
 def is_missing(args: tuple) -> bool:

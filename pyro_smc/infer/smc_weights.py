@@ -30,13 +30,24 @@ import math
 from dataclasses import dataclass
 
 import torch
+from pyro.distributions.util import scale_and_mask
 from pyro.infer.smcfilter import SMCFailed
 from pyro.poutine.trace_struct import Trace
 from torch import Tensor
+from torch.distributions import Independent as TorchIndependent
 
 from pyro_smc.tracing import is_latent, is_scored, site_log_probs
 
-__all__ = ["ParticleLayout", "SMCFailedError", "centred_increment", "failure", "log_weight_terms", "pairwise_transition_log_density", "score_terms"]
+__all__ = [
+    "ParticleLayout",
+    "SMCFailedError",
+    "centred_increment",
+    "failure",
+    "log_weight_terms",
+    "mask_missing_components",
+    "pairwise_transition_log_density",
+    "score_terms",
+]
 
 
 class SMCFailedError(SMCFailed):
@@ -75,7 +86,13 @@ class ParticleLayout:
         return term.reshape(self.num_filters, self.num_particles)
 
 
-def log_weight_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout, predict_only: bool = False) -> list[tuple[str, Tensor]]:
+def log_weight_terms(
+    model_trace: Trace,
+    guide_trace: Trace | None,
+    layout: ParticleLayout,
+    predict_only: bool = False,
+    partial: tuple[Tensor, Tensor, str] | None = None,
+) -> list[tuple[str, Tensor]]:
     """Per-site contributions to ``log omega``, each reduced to the particle shape.
 
     Args:
@@ -83,6 +100,10 @@ def log_weight_terms(model_trace: Trace, guide_trace: Trace | None, layout: Part
         guide_trace: the guide's step, or ``None`` for a bootstrap step.
         layout: the particle dims.
         predict_only: a step without an observation: observed sites are not scored either.
+        partial: for a partly missing observation, ``(filled, observed, where)``: the observation
+            as passed to the model (missing entries filled with zeros), the mask of its observed
+            entries and the step's name; the observed site fed with it is scored on the observed
+            entries only (:func:`mask_missing_components`).
 
     Returns:
         ``[(site name, term)]`` in the model's order, each term of ``layout.particle_shape``.
@@ -101,6 +122,8 @@ def log_weight_terms(model_trace: Trace, guide_trace: Trace | None, layout: Part
         for name, site in model_trace.nodes.items()
         if is_scored(site) and ((site["is_observed"] and not predict_only) or (not site["is_observed"] and name in proposed))
     ]
+    if partial is not None:
+        mask_missing_components(model_trace, *partial)
     log_p = site_log_probs(model_trace, scored)
     log_q = {} if guide_trace is None else site_log_probs(guide_trace, [name for name in scored if name in proposed])
     terms = []
@@ -110,6 +133,54 @@ def log_weight_terms(model_trace: Trace, guide_trace: Trace | None, layout: Part
             term = term - _per_particle(log_q[name], guide_trace.nodes[name], layout)
         terms.append((name, term))
     return terms
+
+
+def mask_missing_components(model_trace: Trace, filled: Tensor, observed: Tensor, where: str) -> None:
+    """Scores the observed site fed with a partly missing observation on its observed entries.
+
+    The site is the one whose value is the tensor the engine passed (or equals it, broadcast). Its
+    distribution must factorise over the observation's entries: a univariate distribution, possibly
+    reinterpreted by ``to_event`` (``Independent``); then ``log p(y_obs)`` is the sum of the
+    entries' log-densities over the observed ones. The result is memoised on the trace
+    (``unscaled_log_prob``/``log_prob``, scale and mask applied as Pyro does), where
+    :func:`~pyro_smc.tracing.site_log_probs` finds it. See ``docs/math/smc.md#missing-observations``.
+
+    Raises:
+        ValueError: no single observed site takes the observation, or its distribution does not
+            factorise over the entries (e.g. a ``MultivariateNormal``), naming the step.
+    """
+    sites = [site for site in model_trace.nodes.values() if is_scored(site) and site["is_observed"]]
+    fed = [site for site in sites if site["value"] is filled]
+    if not fed:
+        fed = [
+            site
+            for site in sites
+            if isinstance(site["value"], Tensor)
+            and tuple(site["value"].shape[max(site["value"].dim() - filled.dim(), 0) :]) == tuple(filled.shape)
+            and torch.equal(site["value"], filled.expand_as(site["value"]))
+        ]
+    if len(fed) != 1:
+        raise ValueError(
+            f"the observation at {where} is partly missing, and {len(fed)} observed sites take it as obs; "
+            "pass it unchanged as obs= of exactly one site"
+        )
+    site = fed[0]
+    fn, event_dims = site["fn"], 0
+    while isinstance(fn, TorchIndependent):
+        event_dims += fn.reinterpreted_batch_ndims
+        fn = fn.base_dist
+    if fn.event_shape != torch.Size():
+        raise ValueError(
+            f"the observation at {where} is partly missing, but site '{site['name']}' ({type(site['fn']).__name__}) does not "
+            "factorise over its entries, so the missing ones cannot be left out; use a distribution of independent entries "
+            "(e.g. Normal(loc, scale).to_event(1)), or mark the whole observation missing (all NaN)"
+        )
+    log_p = fn.log_prob(site["value"])
+    log_p = torch.where(observed, log_p, torch.zeros_like(log_p))
+    if event_dims:
+        log_p = log_p.sum(tuple(range(-event_dims, 0)))
+    site["unscaled_log_prob"] = log_p
+    site["log_prob"] = scale_and_mask(log_p, site["scale"], site["mask"])
 
 
 def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout) -> Tensor | None:

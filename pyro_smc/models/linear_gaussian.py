@@ -120,6 +120,10 @@ class LinearGaussianSSM(PyroModule):
         self._scale_q = torch.linalg.cholesky(self.Q)
         self._scale_r = torch.linalg.cholesky(self.R)
         self._scale_0 = torch.linalg.cholesky(self.init_cov)
+        # With a diagonal R the observation's entries are independent: observed as a Normal of
+        # independent entries, so a partly missing observation can leave the missing ones out.
+        diagonal = self.R.diagonal(dim1=-2, dim2=-1)
+        self._obs_sd = diagonal.sqrt() if bool((self.R == torch.diag_embed(diagonal)).all()) else None
 
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:
         """Samples ``x_t`` given ``state["x"]`` (or from the prior at ``t = 0``) and observes ``y_t``."""
@@ -137,7 +141,11 @@ class LinearGaussianSSM(PyroModule):
         self._t = t + 1
         if y is not None and tuple(y.shape[-1:]) != tuple(self.C.shape[-2:-1]):
             raise ValueError(f"observation y_{t} has shape {tuple(y.shape)}, but the model observes vectors of size {self.C.shape[-2]}")
-        likelihood = dist.MultivariateNormal(x @ self.C.transpose(-1, -2), scale_tril=self._scale_r, validate_args=False)
+        mean = x @ self.C.transpose(-1, -2)
+        if self._obs_sd is not None:
+            likelihood = dist.Normal(mean, self._obs_sd, validate_args=False).to_event(1)
+        else:
+            likelihood = dist.MultivariateNormal(mean, scale_tril=self._scale_r, validate_args=False)
         return pyro.sample(f"y_{t}", likelihood, obs=y)
 
     # --- the exact oracle -------------------------------------------------------------------
