@@ -82,6 +82,10 @@ def particles_model():
         def PY(self, t, xp, x):
             return pdist.Normal(loc=0.0, scale=BETA * np.exp(x / 2))
 
+        def upper_bound_log_pt(self, t):
+            # max of the transition density, for particles' rejection-based backward sampling
+            return -0.5 * np.log(2 * np.pi * SIGMA**2)
+
     return ParticlesSV()
 
 
