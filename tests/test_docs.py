@@ -3,6 +3,7 @@
 import importlib
 import os
 import pathlib
+import math
 import re
 import time
 import warnings
@@ -92,6 +93,23 @@ def test_readme_example_learns(data_seed):
     # Measured |theta - MLE| after 100 steps: at most 0.03 over eight seeds; after 50 steps at
     # most 0.045 on these two. The stationary noise of Adam at lr 0.1 is about 0.02.
     assert abs(theta - mle) < (0.05 if FULL else 0.08), (theta, mle)
+
+
+def test_readme_smoothing_example_runs_and_agrees_with_rts():
+    """The README's smoothing example as printed: the smoothed means lie within half a posterior
+    standard deviation of the RTS smoother's (missing steps and the missing entry included), and
+    closer to them than the filtering means are (so the backward pass did something)."""
+    code = readme_example("particle-smoothing")
+    namespace = {}
+    exec(code, namespace)
+    paths, ssm, ys, smc = namespace["paths"], namespace["ssm"], namespace["ys"], namespace["smc"]
+    assert paths.shape == (200, 50, 4, 2)
+    rts = ssm.rts_smoother(ys)
+    sd = rts.covariances.diagonal(dim1=-2, dim2=-1).sqrt()
+    smoothed = namespace["smoothed_means"].mean(1)
+    assert bool(((smoothed - rts.means).abs() < 0.5 * sd).all())
+    filtered = smc.filtering_means["x"].mean(1)
+    assert (smoothed - rts.means).abs().mean() < 0.5 * (filtered - rts.means).abs().mean()
 
 
 def test_readme_ep_example_runs():
