@@ -1,4 +1,5 @@
-"""SMC.smooth (forward filtering, backward sampling, and the genealogy) against the RTS smoother.
+"""SMC.smooth (forward filtering, backward sampling, its rejection sampler, and the genealogy)
+against the RTS smoother.
 
 Error bars come from the spread of the per-filter estimates across independent filters: the
 trajectories drawn within one filter share its particles, so their spread alone would understate
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from pyro_smc import SMC
-from pyro_smc.models import LinearGaussianSSM
+from pyro_smc.infer import smc_smoothing
+from pyro_smc.models import DiagonalLinearGaussianSSM, LinearGaussianSSM
 from pyro_smc.resamplers import KernelResampler, MultinomialResampler, OTResampler, SoftResampler, SystematicResampler
 from tests.tolerances import MC_SIGMAS
 
@@ -199,7 +201,7 @@ def test_history_survives_a_checkpoint():
     resumed.load_state_dict(torch.load(buffer, weights_only=False))
     for y in ys[6:]:
         resumed.step(y)
-    for method in ("ffbs", "genealogy"):
+    for method in ("ffbs", "rejection", "genealogy"):
         assert resumed.smooth(4, method=method)["x"].shape == (4, 10, 2, 1)
 
 
@@ -228,3 +230,140 @@ def test_ffbs_with_missing_observations_and_a_guide():
     smc = SMC(ssm, Guide(ssm), num_particles=400, num_filters=32, store_history=True).run(ys)
     z, _ = _z_scores(smc.smooth(100)["x"].mean(0), rts.means)
     assert z.abs().max() < MC_SIGMAS
+
+
+# --- method="rejection" ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_rejection_matches_rts_smoother(d):
+    """The rejection sampler with the settings and tolerances of ``test_ffbs_matches_rts_smoother``."""
+    ssm = _lgssm(d)
+    _, ys = ssm.simulate(T)
+    rts = ssm.rts_smoother(ys)
+    pyro.set_rng_seed(1)
+    smc = SMC(ssm, num_particles=500, num_filters=32, store_history=True).run(ys)
+    means, variances = _smoothed_moments(smc, 200, method="rejection")
+    z, se = _z_scores(means, rts.means)
+    assert z.abs().max() < MC_SIGMAS
+    rts_var = rts.covariances.diagonal(dim1=-2, dim2=-1)
+    _, se_var = _z_scores(variances, rts_var)
+    assert ((variances.mean(1) - rts_var).abs() < MC_SIGMAS * se_var + 0.03 * rts_var).all()
+    kalman = ssm.kalman_filter(ys).means
+    assert ((kalman - rts.means).abs() / se).max() > 4 * MC_SIGMAS
+
+
+def _two_sample_z(x, y):
+    """Per-entry two-sample z-scores of the means over the first dim of ``x`` and ``y`` (independent
+    draws given one history: the trajectories of one method are i.i.d. given the particles)."""
+    se = (x.var(0) / x.shape[0] + y.var(0) / y.shape[0]).sqrt()
+    return (x.mean(0) - y.mean(0)) / se
+
+
+def _smooth_direct(smc, num_samples, method, **kwargs):
+    return smc_smoothing.smooth(smc._history, num_samples, method, smc._layout, True, **kwargs)
+
+
+@pytest.mark.parametrize("model", ["mvn", "independent-normal"])
+def test_rejection_equals_ffbs_in_distribution(model):
+    """Same history, 4000 draws each: the per-step means and second moments of the rejection
+    sampler and of FFBS agree within 5 two-sample standard errors, for a ``MultivariateNormal``
+    transition (two filters) and an ``Independent(Normal)`` one (one filter); most draws are
+    accepted by rejection, i.e. the O(1) path is the one tested."""
+    if model == "mvn":
+        ssm, num_filters = _lgssm(2), 2
+    else:
+        ssm, num_filters = DiagonalLinearGaussianSSM(torch.tensor([0.9, 0.5]), torch.tensor([1.0, 0.3]), 0.4, 0.5), 1
+    _, ys = ssm.simulate(T)
+    pyro.set_rng_seed(7)
+    smc = SMC(ssm, num_particles=200, num_filters=num_filters, store_history=True).run(ys)
+    stats = {}
+    x_rej = _smooth_direct(smc, 4000, "rejection", stats=stats)["x"]
+    x_ffbs = _smooth_direct(smc, 4000, "ffbs")["x"]
+    assert x_rej.shape == x_ffbs.shape == (4000, T, num_filters, 2)
+    assert _two_sample_z(x_rej, x_ffbs).abs().max() < MC_SIGMAS
+    assert _two_sample_z(x_rej**2, x_ffbs**2).abs().max() < MC_SIGMAS
+    assert stats["draws"] == 4000 * num_filters * (T - 1) and stats["exact_steps"] == 0
+    assert stats["fallback"] < 0.5 * stats["draws"] and stats["accepted"] + stats["fallback"] == stats["draws"]
+
+
+@pytest.mark.parametrize("max_rounds", [0, 1, 10])
+def test_rejection_backward_kernel_is_exact(max_rounds):
+    """One backward step, one fixed ``x_t`` per filter, 20000 draws of the parent: the frequencies
+    match the FFBS kernel ``v_j f(x_t | parent j)`` (normalised) within 5 binomial standard errors
+    per parent (plus 1e-3), whether the draws come from the rounds, from the exact fallback
+    (``max_rounds=0``: all of them) or from both (one round: about a third fall back)."""
+    ssm = _lgssm(2)
+    _, ys = ssm.simulate(6)
+    pyro.set_rng_seed(8)
+    smc = SMC(ssm, num_particles=20, num_filters=3, store_history=True).run(ys)
+    record, layout = smc._history[4], smc._layout
+    num_samples = 20000
+    values = {site["name"]: site["value"][:, 0].expand((num_samples,) + site["value"][:, 0].shape) for site in record["sites"]}
+    stats = {key: 0 for key in ("draws", "proposals", "accepted", "fallback", "exact_steps")}
+    parents = smc_smoothing._backward_rejection(record, values, layout, num_samples, max_rounds, stats)
+    assert parents.shape == (num_samples, 3)
+    one = {name: v[:1] for name, v in values.items()}
+    probs = (record["parent_log_weights"] + smc_smoothing._log_transition(record, one, layout))[0].softmax(-1)  # (B, N)
+    freq = torch.nn.functional.one_hot(parents, 20).double().mean(0)  # (B, N)
+    se = (probs * (1 - probs) / num_samples).sqrt()
+    assert ((freq - probs).abs() < MC_SIGMAS * se + 1e-3).all()
+    assert stats["draws"] == num_samples * 3 and stats["proposals"] <= max_rounds * stats["draws"]
+    if max_rounds == 0:
+        assert stats["fallback"] == stats["draws"] and stats["proposals"] == 0
+    else:
+        assert 0 < stats["accepted"] and 0 < stats["fallback"] < stats["draws"]
+
+
+def test_rejection_fallback_only_matches_rts():
+    """``max_rounds=0`` (every draw by the exact fallback on the gathered Gaussian parameters) is
+    FFBS: the smoothed means agree with RTS within 5 standard errors."""
+    ssm = _lgssm(2)
+    _, ys = ssm.simulate(T)
+    rts = ssm.rts_smoother(ys)
+    pyro.set_rng_seed(9)
+    smc = SMC(ssm, num_particles=300, num_filters=32, store_history=True).run(ys)
+    stats = {}
+    x = _smooth_direct(smc, 100, "rejection", max_rounds=0, stats=stats)["x"]
+    assert stats["fallback"] == stats["draws"] == 100 * 32 * (T - 1)
+    z, _ = _z_scores(x.mean(0), rts.means)
+    assert z.abs().max() < MC_SIGMAS
+
+
+class _StudentTModel:
+    """``x_t ~ StudentT(4, 0.9 x_{t-1}, 0.4)`` (1-D, as an event), ``y_t ~ N(x_t, 0.5)``."""
+
+    def init(self, state):
+        self._t = 0
+
+    def step(self, state, y=None):
+        t = self._t
+        loc = 0.9 * state["x"] if "x" in state else torch.zeros(1)
+        x = pyro.sample(f"x_{t}", pyro.distributions.StudentT(4.0, loc, 0.4).to_event(1))
+        state["x"] = x
+        self._t = t + 1
+        return pyro.sample(f"y_{t}", pyro.distributions.Normal(x, 0.5).to_event(1), obs=y)
+
+
+def test_rejection_non_gaussian_transition_takes_the_exact_draw():
+    """A StudentT transition has no Gaussian bound: every step takes the FFBS draw (``exact_steps``),
+    and the result agrees with FFBS within 5 two-sample standard errors."""
+    ys = torch.linspace(-2.0, 2.0, 10).unsqueeze(-1)
+    pyro.set_rng_seed(10)
+    smc = SMC(_StudentTModel(), num_particles=200, store_history=True).run(ys)
+    stats = {}
+    x_rej = _smooth_direct(smc, 3000, "rejection", stats=stats)["x"]
+    assert stats["exact_steps"] == 9 and stats["draws"] == 0
+    x_ffbs = smc.smooth(3000)["x"]
+    assert _two_sample_z(x_rej, x_ffbs).abs().max() < MC_SIGMAS
+    assert smc.smooth(5, method="rejection")["x"].shape == (5, 10, 1, 1)
+
+
+def test_rejection_errors():
+    ssm = _lgssm(1)
+    _, ys = ssm.simulate(5)
+    smc = SMC(ssm, num_particles=10, store_history=True).run(ys)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_rounds"):
+            _smooth_direct(smc, 3, "rejection", max_rounds=bad)
+    assert "rejection" in smc_smoothing.SMOOTHING_METHODS
