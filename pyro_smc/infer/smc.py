@@ -376,7 +376,7 @@ class SMC(ScoreFunctionMixin):
             raise RuntimeError("SMC has not been run; call init/step or run first")
         return self._weighted
 
-    def smooth(self, num_samples: int, method: str = "ffbs") -> dict[str, Tensor]:
+    def smooth(self, num_samples: int, method: str = "ffbs", max_rounds: int = smoothing.REJECTION_MAX_ROUNDS) -> dict[str, Tensor]:
         """Draws ``num_samples`` trajectories per filter from the particle smoother (needs ``store_history=True``).
 
         ``method="ffbs"`` (forward filtering, backward sampling) draws the last state by the final
@@ -388,7 +388,20 @@ class SMC(ScoreFunctionMixin):
         latent site of the same step; not checked). ``method="genealogy"`` follows the ancestral
         lines of particles drawn by the final weights (path-space smoothing: cheap, but the
         lines coalesce, so early times have few distinct values); index resamplers only.
+        ``method="rejection"`` draws from the same backward kernel as ``"ffbs"`` by rejection
+        (Douc et al. 2011, with the hybrid fallback of Dau and Chopin 2022): it proposes a parent
+        by the parent weights and accepts with probability ``f(x_t | parent) / C`` (``C`` the
+        largest transition density, for ``Normal``, ``MultivariateNormal`` and ``Independent`` of
+        those); draws still pending after ``max_rounds`` rounds get the exact FFBS draw. Its
+        trajectories have exactly the FFBS distribution at ``O(1)`` expected density evaluations
+        per draw instead of ``O(N)`` (5-6x faster at ``N = 10^4``); steps with other latent
+        distributions use the FFBS draw. Same requirements as ``"ffbs"``.
         See ``docs/math/smc.md#particle-smoothing``.
+
+        Args:
+            num_samples: trajectories per filter, ``>= 1``.
+            method: ``"ffbs"`` (default), ``"rejection"`` or ``"genealogy"``.
+            max_rounds: rejection rounds before the exact fallback (``"rejection"`` only).
 
         Returns:
             ``{key: (num_samples, T, B, *event)}`` for every floating-point state key, ``T`` the
@@ -397,7 +410,7 @@ class SMC(ScoreFunctionMixin):
         Raises:
             RuntimeError: the engine was built without ``store_history=True``, or has taken no step.
             ValueError: an unknown ``method``, ``num_samples < 1``, ``"genealogy"`` with a resampler
-                that draws no ancestors (``OTResampler``), ``"ffbs"`` with model plates.
+                that draws no ancestors (``OTResampler``), ``"ffbs"``/``"rejection"`` with model plates.
         """
         if not self.store_history:
             raise RuntimeError("SMC.smooth needs the particle history: build the engine with SMC(..., store_history=True)")
@@ -406,10 +419,10 @@ class SMC(ScoreFunctionMixin):
         check_positive_int("num_samples", num_samples)
         if not self._history:
             raise RuntimeError("SMC has not taken a step; call run(observations) (or init() and step()) before smooth")
-        if method == "ffbs" and self.max_plate_nesting:
-            raise ValueError(f"method='ffbs' needs max_plate_nesting == 0 (got {self.max_plate_nesting}): steps with model plates are not supported")
+        if method in ("ffbs", "rejection") and self.max_plate_nesting:
+            raise ValueError(f"method={method!r} needs max_plate_nesting == 0 (got {self.max_plate_nesting}): steps with model plates are not supported")
         has_ancestors = hasattr(self.resampler, "last_ancestors")
-        return smoothing.smooth(self._history, num_samples, method, self._layout, has_ancestors)
+        return smoothing.smooth(self._history, num_samples, method, self._layout, has_ancestors, max_rounds=max_rounds)
 
     def get_empirical(self) -> dict[str, dist.Empirical]:
         """The weighted particle approximation of each state tensor, as ``SMCFilter`` returns it.
