@@ -7,6 +7,11 @@
   log-weight of the particle it copies), and the filter's ``log_evidence`` and ``ess`` (constant
   along the draw dimension, as ArviZ wants ``(chain, draw)`` arrays); ``attrs`` repeats the
   per-filter log-evidence.
+* With ``smoothing="ffbs" | "rejection" | "genealogy"``, an :class:`~pyro_smc.SMC` run built with
+  ``store_history=True`` exports smoothed trajectories instead (``SMC.smooth``): one chain per
+  filter, ``num_draws`` trajectories per chain as draws, dims ``(chain, draw, time, *event)`` for
+  every floating-point state key; ``sample_stats`` holds the filter's ``log_evidence`` (constant
+  along the draw dimension) and ``attrs`` the per-filter log-evidence and the smoothing method.
 * An :class:`~pyro_smc.OnlineVariationalFilter` becomes one chain of lagged smoothing draws
   ``x`` with dims ``(chain, draw, lag, state_dim)``; ``attrs`` holds the running ELBO.
 * Any guide (an ``AutoGuide`` such as :class:`~pyro_smc.guides.AutoKroneckerFlow`, or a
@@ -25,6 +30,15 @@ Example:
     >>> idata.posterior["x"].shape
     (2, 200, 2)
     >>> summary = az.summary(idata, var_names=["x"])
+
+    Smoothed trajectories (needs ``store_history=True``):
+
+    >>> smc = SMC(ssm, num_particles=200, num_filters=2, store_history=True).run(ys)
+    >>> idata = to_inference_data(smc, smoothing="ffbs", num_draws=50)
+    >>> idata.posterior["x"].dims
+    ('chain', 'draw', 'time', 'x_dim_0')
+    >>> idata.posterior["x"].shape
+    (2, 50, 10, 2)
 """
 
 from __future__ import annotations
@@ -76,6 +90,42 @@ def _from_smc(smc: SMC, num_draws: int | None, generator: torch.Generator | None
     return az.from_dict(posterior=posterior, sample_stats=sample_stats, attrs=attrs)
 
 
+def _from_smc_smoothed(smc: SMC, method: str, num_draws: int | None, generator: torch.Generator | None):
+    import arviz as az
+
+    if not smc.store_history:
+        raise ValueError("to_inference_data(..., smoothing=...) needs the particle history: build the engine with SMC(..., store_history=True)")
+    if smc.log_weights is None:
+        raise ValueError("to_inference_data: the SMC object has not been run (call .run or .init/.step first)")
+    if generator is not None:
+        raise ValueError("to_inference_data: generator= is not supported with smoothing= (SMC.smooth uses the global RNG: torch.manual_seed)")
+    num_draws = smc.num_particles if num_draws is None else int(num_draws)
+    if num_draws < 1:
+        raise ValueError(f"num_draws must be >= 1, got {num_draws}")
+    trajectories = smc.smooth(num_draws, method=method)  # {key: (S, T, B, *event)}
+    posterior, dims = {}, {}
+    for key, value in trajectories.items():
+        posterior[key] = _numpy(value.movedim(2, 0))  # (B, S, T, *event)
+        dims[key] = ["time"] + [f"{key}_dim_{i}" for i in range(value.dim() - 3)]
+    T = next(iter(trajectories.values())).shape[1] if trajectories else 0
+    log_evidence = smc.log_evidence.detach()
+    B = log_evidence.shape[0]
+    attrs = {
+        "inference_library": "pyro_smc",
+        "method": "SMC",
+        "smoothing": method,
+        "log_evidence": _numpy(log_evidence).tolist(),
+        "num_particles": smc.num_particles,
+    }
+    return az.from_dict(
+        posterior=posterior,
+        sample_stats={"log_evidence": _numpy(log_evidence.unsqueeze(-1).expand(B, num_draws))},
+        coords={"time": np.arange(T)},
+        dims=dims,
+        attrs=attrs,
+    )
+
+
 def _from_online(vf: OnlineVariationalFilter, num_draws: int | None, lag: int | None):
     import arviz as az
 
@@ -119,6 +169,7 @@ def to_inference_data(
     num_chains: int = 1,
     lag: int | None = None,
     generator: torch.Generator | None = None,
+    smoothing: str | None = None,
     **kwargs,
 ):
     """ArviZ ``InferenceData`` from an ``SMC`` run, an ``OnlineVariationalFilter`` or a guide.
@@ -131,12 +182,30 @@ def to_inference_data(
             a guide or a streaming filter (default 1000).
         num_chains: chains to split a guide's draws into (SMC uses one chain per filter).
         lag: how far back a streaming filter's smoothing draws go (default: its whole window).
-        generator: random generator for SMC's equal-weight resampling.
+        generator: random generator for SMC's equal-weight resampling (not with ``smoothing``).
+        smoothing: SMC only: export smoothed trajectories drawn by ``SMC.smooth(num_draws,
+            method=smoothing)`` (``"ffbs"``, ``"rejection"`` or ``"genealogy"``) instead of the final
+            filtering particles; the engine must be built with ``store_history=True``. The draws
+            use the global torch RNG, so ``torch.manual_seed(s)`` before this call gives the
+            same trajectories as ``torch.manual_seed(s); smc.smooth(num_draws, method)``.
 
     Returns:
-        ``arviz.InferenceData`` with a ``posterior`` group (and ``sample_stats`` for SMC).
+        ``arviz.InferenceData`` with a ``posterior`` group (and ``sample_stats`` for SMC). For SMC,
+        a state key ``x`` of per-filter shape ``(N, *event)`` becomes ``(num_filters, num_draws,
+        *event)`` (dims ``chain, draw, x_dim_0, ...``); with ``smoothing`` it becomes
+        ``(num_filters, num_draws, T, *event)`` (dims ``chain, draw, time, x_dim_0, ...``, ``T``
+        the number of steps taken). ``sample_stats["log_evidence"]`` is ``(num_filters, num_draws)``.
+
+    Raises:
+        ValueError: an SMC that has not been run, ``smoothing`` on an engine without
+            ``store_history=True`` or with ``generator``, ``num_draws < 1``, a guide's
+            ``num_draws`` not a multiple of ``num_chains``, or an object of another type.
     """
+    if smoothing is not None and not isinstance(obj, SMC):
+        raise ValueError(f"to_inference_data: smoothing= applies to an SMC run, not a {type(obj).__name__}")
     if isinstance(obj, SMC):
+        if smoothing is not None:
+            return _from_smc_smoothed(obj, smoothing, num_draws, generator)
         return _from_smc(obj, num_draws, generator)
     if isinstance(obj, OnlineVariationalFilter):
         return _from_online(obj, num_draws, lag)

@@ -1,4 +1,4 @@
-"""pyro_smc.arviz.to_inference_data: SMC runs, the streaming filter and guides."""
+"""pyro_smc.arviz.to_inference_data: SMC runs (filtering and smoothed), the streaming filter and guides."""
 
 import math
 
@@ -108,3 +108,67 @@ def test_smc_export_uses_the_weighted_particles_not_the_ot_shrunk_ones():
     # Sample sd of n draws has relative sd ~ 1/sqrt(2n); the shrunk cloud is ~50% too narrow.
     assert np.all(np.abs(x.std(1) / sd.numpy() - 1) < 0.1)
     assert float(smc.state["x"].std(1).max() / sd.max()) < 0.7
+
+
+@pytest.mark.parametrize("method", ["ffbs", "rejection", "genealogy"])
+@pytest.mark.parametrize("num_filters", [1, 3])
+def test_smc_smoothed_trajectories(method, num_filters):
+    torch.manual_seed(0)
+    ssm = _ssm()
+    T, S = 7, 40
+    _, ys = ssm.simulate(T)
+    smc = SMC(ssm, num_particles=100, num_filters=num_filters, store_history=True).run(ys)
+    torch.manual_seed(5)
+    idata = to_inference_data(smc, smoothing=method, num_draws=S)
+    torch.manual_seed(5)
+    expected = smc.smooth(S, method=method)["x"]  # (S, T, B, 2)
+    x = idata.posterior["x"]
+    assert x.dims == ("chain", "draw", "time", "x_dim_0")
+    assert x.shape == (num_filters, S, T, 2)
+    np.testing.assert_array_equal(x.coords["time"].values, np.arange(T))
+    np.testing.assert_array_equal(x.coords["chain"].values, np.arange(num_filters))
+    np.testing.assert_array_equal(x.coords["draw"].values, np.arange(S))
+    np.testing.assert_array_equal(x.values, expected.permute(2, 0, 1, 3).numpy())
+    stats = idata.sample_stats
+    assert stats["log_evidence"].shape == (num_filters, S)
+    np.testing.assert_allclose(stats["log_evidence"].values[:, 0], smc.log_evidence.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(idata.attrs["log_evidence"], smc.log_evidence.tolist(), rtol=1e-6)
+    assert idata.attrs["smoothing"] == method
+    summary = az.summary(idata, var_names=["x"])
+    assert len(summary) == T * 2
+
+
+def test_smc_smoothed_default_draws_and_mean_near_kalman():
+    torch.manual_seed(0)
+    eye = torch.eye(2)
+    # Unit observation noise: a bootstrap filter does not collapse on an outlying observation.
+    ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye)
+    _, ys = ssm.simulate(8, generator=torch.Generator().manual_seed(0))
+    smc = SMC(ssm, num_particles=500, num_filters=2, store_history=True).run(ys)
+    idata = to_inference_data(smc, smoothing="ffbs")
+    x = idata.posterior["x"].values  # (2, 500, 8, 2)
+    assert x.shape == (2, 500, 8, 2)
+    smoothed = ssm.rts_smoother(ys)
+    sd = smoothed.covariances.diagonal(dim1=-2, dim2=-1).sqrt().numpy()
+    # Pooled over both filters: 1000 trajectories; MC and particle error well inside 0.5 sd.
+    assert np.all(np.abs(x.mean((0, 1)) - smoothed.means.numpy()) < 0.5 * sd)
+
+
+def test_smc_smoothed_errors():
+    ssm = _ssm()
+    _, ys = ssm.simulate(4)
+    with pytest.raises(ValueError, match="store_history=True"):
+        to_inference_data(SMC(ssm, num_particles=20).run(ys), smoothing="ffbs")
+    with pytest.raises(ValueError, match="not been run"):
+        to_inference_data(SMC(ssm, num_particles=20, store_history=True), smoothing="ffbs")
+    smc = SMC(ssm, num_particles=20, store_history=True).run(ys)
+    with pytest.raises(ValueError, match="method"):
+        to_inference_data(smc, smoothing="bogus", num_draws=5)
+    with pytest.raises(ValueError, match="num_draws"):
+        to_inference_data(smc, smoothing="ffbs", num_draws=0)
+    with pytest.raises(ValueError, match="generator"):
+        to_inference_data(smc, smoothing="ffbs", generator=torch.Generator())
+    with pytest.raises(ValueError, match="smoothing= applies"):
+        to_inference_data(lambda: None, smoothing="ffbs")
+    # Existing calls on a history-keeping engine still export the filtering particles.
+    assert to_inference_data(smc).posterior["x"].shape == (1, 20, 2)
