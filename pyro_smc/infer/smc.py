@@ -165,7 +165,9 @@ class SMC(ScoreFunctionMixin):
             gradient, ``gradient="marginal_stop_gradient"`` its ``O(N^2)`` marginal version (above).
         ess_threshold: resample a filter when its ESS falls below ``ess_threshold * N``;
             in ``(0, 1]``.
-        num_filters: independent filters ``B`` run in one vectorised pass.
+        num_filters: independent filters ``B`` run in one vectorised pass: on one sequence, or
+            one each on a batch of ``B`` sequences (``run(..., batched=True)``; see
+            ``docs/math/smc.md#batches-of-sequences``).
         max_plate_nesting: number of plates the model uses inside a step (as in SMCFilter).
         progress_bar: show a tqdm progress bar in :meth:`run` (off by default; the CLI demo turns it on).
         store_history: keep, per step, the weighted particles, the particles the step propagated
@@ -281,29 +283,81 @@ class SMC(ScoreFunctionMixin):
         check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
         return self._step(args, kwargs, missing, observed)
 
-    def _step(self, args, kwargs, predict_only: bool = False, observed: Tensor | None = None) -> SMC:
+    def _step(self, args, kwargs, predict_only: bool = False, observed: Tensor | None = None, active: Tensor | None = None) -> SMC:
+        # active: (B,) bool, the filters whose observation is scored at this step (None: all).
         if not self._initialized:
             raise RuntimeError("SMC.step called before SMC.init")
         where = f"time step {self._t}"
         partial = None if observed is None else (args[0], observed, where)
-        guide_step = self.guide.step if self.guide is not None and not predict_only and partial is None else None
-        self._propagate(self.model.step, guide_step, args, kwargs, where, predict_only, partial)
+        proposes = not predict_only and partial is None and active is None
+        guide_step = self.guide.step if self.guide is not None and proposes else None
+        self._propagate(self.model.step, guide_step, args, kwargs, where, predict_only, partial, active)
         self._t += 1
         return self
 
-    def run(self, observations: Tensor, *args, **kwargs) -> SMC:
+    def run(self, observations: Tensor, *args, lengths: Tensor | None = None, batched: bool = False, **kwargs) -> SMC:
         """``init(*args)`` then ``step(observations[t], *args)`` for every leading-dim slice.
 
+        With ``batched=True`` the filters run on a batch of sequences, one each: ``observations``
+        has shape ``(B, T, ...)`` with ``B == num_filters``, and at step ``t`` the model gets
+        ``observations[:, t].unsqueeze(1)``, of shape ``(B, 1, ...)``, which broadcasts against
+        the particle dims ``(B, N)`` of the state: a site
+        ``pyro.sample("y", dist.Normal(loc, scale).to_event(1), obs=y)`` whose ``loc`` is
+        ``(B, N, dy)`` scores filter ``b``'s particles on sequence ``b``. (With ``num_filters == 1``
+        the state has no filter dim, and the model gets ``observations[0, t]`` as in an unbatched
+        run.) A model written for ``run(ys)`` runs unchanged when it broadcasts its observation
+        against the particles' batch shape, as :class:`~pyro_smc.models.LinearGaussianSSM` does.
+        ``log_evidence[b]`` estimates ``log p(y^b_{1:L_b})`` of sequence ``b``.
+
+        ``lengths`` marks sequences of different lengths in a padded batch: the steps
+        ``t >= lengths[b]`` of filter ``b`` are predict-only for that filter alone (its weights
+        and ``log_evidence[b]`` do not change; padded entries are never read and may hold
+        anything, NaN included). A NaN row (all entries of ``observations[b, t]``) is
+        predict-only for filter ``b`` alone, a partly-NaN row is scored on its observed entries
+        (the site must factorise over them, as for an unbatched run). A step at which any filter
+        is predict-only or partly observed moves *every* filter by the model's transition (the
+        guide is not called, since it may need the observation; the estimate stays unbiased, the
+        proposal is only less good there), so with a guide, batch sequences of similar lengths.
+        The model is called once per step for all filters: it must not branch on the
+        observation's values. See ``docs/math/smc.md#batches-of-sequences``.
+
         Args:
-            observations: tensor ``(T, ...)``. A step whose slice is all-NaN is predict-only, a
-                partly-NaN slice is scored on its observed entries (see :meth:`step`); an
-                infinite slice is an error naming the step.
+            observations: tensor ``(T, ...)``; with ``batched=True``, ``(B, T, ...)``. A step whose
+                slice is all-NaN is predict-only, a partly-NaN slice is scored on its observed
+                entries (see :meth:`step`); an infinite entry is an error naming the step.
+            *args: further arguments of ``init`` and ``step`` (the same at every step).
+            lengths: integer tensor ``(B,)`` of sequence lengths in ``[1, T]`` (``batched=True``
+                only); ``None`` means every sequence has all ``T`` steps.
+            batched: whether ``observations`` is a batch of ``num_filters`` sequences.
+            **kwargs: further keyword arguments of ``init`` and ``step``.
 
         Returns:
-            ``self``, with ``log_evidence`` and the per-step histories filled in.
+            ``self``, with ``log_evidence`` ``(B,)`` and the per-step histories filled in.
+
+        Raises:
+            ValueError: ``observations`` is not a tensor of the shape above (``batched=True`` with
+                ``observations.shape[0] != num_filters``), ``lengths`` is not an integer tensor
+                ``(B,)`` with entries in ``[1, T]``, or ``lengths`` is given without ``batched``.
+
+        Example:
+            >>> import torch
+            >>> from pyro_smc import SMC
+            >>> from pyro_smc.models import LinearGaussianSSM
+            >>> eye = torch.eye(2)
+            >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2), eye)
+            >>> ys = torch.stack([ssm.simulate(20)[1] for _ in range(3)])   # 3 sequences (B, T, dy)
+            >>> smc = SMC(ssm, num_particles=100, num_filters=3)
+            >>> smc.run(ys, lengths=torch.tensor([20, 12, 5]), batched=True).log_evidence.shape
+            torch.Size([3])
         """
         if not isinstance(observations, Tensor):
             raise ValueError(f"observations must be a tensor of shape (T, ...), got {type(observations).__name__}")
+        if not isinstance(batched, bool):
+            raise ValueError(f"batched must be True or False, got {batched!r}")
+        if batched:
+            return self._run_batched(observations, args, kwargs, lengths)
+        if lengths is not None:
+            raise ValueError("lengths needs batched=True: observations (B, T, ...) of one sequence per filter")
         if observations.dim() == 0:
             raise ValueError("observations must have a leading time dimension, got a scalar")
         missing = [False] * observations.shape[0]
@@ -322,6 +376,44 @@ class SMC(ScoreFunctionMixin):
             if t in partly:
                 (y,), observed = _fill_missing((y,), False)
             self._step((y,) + args, kwargs, missing[t], observed)
+        return self
+
+    def _run_batched(self, observations: Tensor, args: tuple, kwargs: dict, lengths) -> SMC:
+        """``run(..., batched=True)``: filter ``b`` on ``observations[b]``, steps past ``lengths[b]`` masked."""
+        B = self.num_filters
+        if observations.dim() < 2 or observations.shape[0] != B:
+            raise ValueError(
+                f"observations must have shape (B, T, ...) with B == num_filters == {B} when batched=True, "
+                f"got {tuple(observations.shape)}"
+            )
+        T = observations.shape[1]
+        lengths = _check_lengths(lengths, B, T, observations.device)
+        flat = observations.reshape(B, T, -1)
+        if observations.is_floating_point():
+            padded = torch.arange(T, device=observations.device) >= lengths.unsqueeze(-1)  # (B, T)
+            nan = torch.isnan(flat) & ~padded.unsqueeze(-1)
+            row_missing = (nan.all(-1) & (flat.shape[-1] > 0)) | padded
+            partly = nan.any(-1) & ~row_missing
+            bad = (torch.isinf(flat).any(-1) & ~padded).nonzero().tolist()
+            if bad:
+                b, t = bad[0]
+                raise ValueError(f"observation at time step {t} contains inf (sequence {b})")
+            # Missing and padded entries are never scored; the model sees zeros there.
+            filled = torch.where(torch.isnan(flat) | padded.unsqueeze(-1), torch.zeros_like(flat), flat).reshape(observations.shape)
+        else:
+            padded = torch.arange(T, device=observations.device) >= lengths.unsqueeze(-1)
+            row_missing, partly, nan, filled = padded, torch.zeros_like(padded), None, observations
+        shape = (B, 1) + tuple(observations.shape[2:]) if B > 1 else tuple(observations.shape[2:])
+        self.init(*args, **kwargs)
+        for t in tqdm(range(T), desc="SMC", disable=not self.progress_bar, leave=False):
+            y = filled[:, t].reshape(shape)
+            active = ~row_missing[:, t]
+            observed = None
+            if bool(partly[:, t].any()):
+                observed = (~nan[:, t]).reshape(shape)
+            if bool(active.all()):
+                active = None
+            self._step((y,) + args, kwargs, bool(row_missing[:, t].all()), observed, active)
         return self
 
     # --- results ------------------------------------------------------------------------------
@@ -499,7 +591,7 @@ class SMC(ScoreFunctionMixin):
     def _modules(self):
         return module_context(self.model, self.guide)
 
-    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False, partial=None) -> None:
+    def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False, partial=None, active=None) -> None:
         score_function = self.score_function
         # The marginal estimator needs the previous weights; init (and a step before any weights)
         # scores its draws along the path, which is the same thing for a parentless draw.
@@ -534,7 +626,7 @@ class SMC(ScoreFunctionMixin):
                 ) from error
         if torch.is_grad_enabled() and not score_function:
             warn_non_reparameterized(model_trace, guide_trace, where, self._warned_sites)
-        terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only, partial)
+        terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only, partial, active)
         if self.store_history and where != "init":
             self._pending_record = smoothing.step_record(model_trace, self.state, parent, self._layout)
         if marginal:
@@ -561,6 +653,10 @@ class SMC(ScoreFunctionMixin):
         log_norm = torch.logsumexp(joint, dim=-1)
         if not all_finite(log_norm):
             raise failure(terms, self._layout, where)
+        if active is not None:
+            # A filter whose observation is masked scored nothing (the guide was not called): its
+            # log_norm is 0 up to rounding; exactly 0 in value keeps its weights and evidence.
+            log_norm = torch.where(active, log_norm, log_norm - log_norm.detach())
         self.log_weights = joint - log_norm.unsqueeze(-1)
         increment = log_norm + offset
         self.log_evidence = self.log_evidence + increment
@@ -669,6 +765,24 @@ class SMC(ScoreFunctionMixin):
                     warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
                 else:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
+
+
+def _check_lengths(lengths, num_sequences: int, num_steps: int, device) -> Tensor:
+    """``lengths`` as a long tensor ``(B,)`` in ``[1, T]`` (all ``T`` when ``None``)."""
+    if lengths is None:
+        return torch.full((num_sequences,), num_steps, dtype=torch.long, device=device)
+    if not isinstance(lengths, Tensor):
+        try:
+            lengths = torch.as_tensor(lengths)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"lengths must be an integer tensor of shape ({num_sequences},), got {lengths!r}") from error
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        raise ValueError(f"lengths must be an integer tensor of shape ({num_sequences},), got dtype {lengths.dtype}")
+    if tuple(lengths.shape) != (num_sequences,):
+        raise ValueError(f"lengths must be an integer tensor of shape ({num_sequences},) (one per sequence), got shape {tuple(lengths.shape)}")
+    if num_sequences and not bool(((lengths >= 1) & (lengths <= num_steps)).all()):
+        raise ValueError(f"lengths must lie in [1, T] = [1, {num_steps}], got {lengths.tolist()}")
+    return lengths.to(device=device, dtype=torch.long)
 
 
 def _fill_missing(args: tuple, missing: bool) -> tuple[tuple, Tensor | None]:

@@ -8,6 +8,11 @@ mean over ``num_filters`` independent filters is an objective for the model's pa
 (theta) and the proposal's (phi), so ``SVI(model, guide, optim, loss=SMCELBO(...))`` learns both.
 The model and guide are ``init``/``step`` objects; ``guide=None`` is the bootstrap proposal.
 
+A minibatch of sequences ``(B, T, ...)`` is passed with ``batched=True`` (and ``lengths`` for a
+padded batch), as to :meth:`SMC.run <pyro_smc.SMC.run>`; ``num_sequences=D``, the size of the
+data set the minibatch was drawn from, scales the loss to an unbiased estimate of the whole data
+set's ``-sum_d log Z_hat_d``. See ``docs/math/smc.md#batches-of-sequences``.
+
 Example:
     >>> import torch, pyro
     >>> from pyro.infer import SVI
@@ -19,6 +24,14 @@ Example:
     >>> loss = SMCELBO(num_particles=50, num_filters=2).loss(ssm, None, ys)
     >>> loss > 0
     True
+
+    A minibatch of 3 padded sequences out of a data set of 100:
+
+    >>> batch = torch.stack([ssm.simulate(10)[1] for _ in range(3)])          # (B, T, dy)
+    >>> elbo = SMCELBO(num_particles=50, num_filters=2, num_sequences=100)
+    >>> loss = elbo.loss(ssm, None, batch, lengths=torch.tensor([10, 8, 4]), batched=True)
+    >>> elbo.smc.log_evidence.shape                                           # (B * num_filters,)
+    torch.Size([6])
 """
 
 from __future__ import annotations
@@ -29,13 +42,20 @@ import torch
 from pyro.infer import ELBO
 from torch import Tensor
 
-from pyro_smc.infer.smc import SMC
+from pyro_smc.infer.smc import SMC, _check_lengths
 
 __all__ = ["SMCELBO"]
 
 
 class SMCELBO(ELBO):
-    """Loss ``-mean_b log Z_hat_b`` of ``num_filters`` independent particle filters.
+    """Loss ``-mean_k log Z_hat_k`` of ``num_filters`` independent particle filters.
+
+    On a minibatch of ``B`` sequences (``batched=True``) each sequence gets ``num_filters``
+    filters and the loss is ``-(1/B) sum_b mean_k log Z_hat_{b,k}``: the mean over the minibatch,
+    the unbatched loss being its ``B = 1`` case. With ``num_sequences=D`` it is
+    ``-(D/B) sum_b mean_k log Z_hat_{b,k}``, whose expectation over minibatches drawn uniformly
+    without replacement is ``-sum_{d=1}^D E[log Z_hat_d]``: Pyro's ``subsample`` scaling, the
+    loss of the whole data set (``D`` times the default loss).
 
     Gradients reach every ``pyro.param`` (and ``PyroParam``) the model and guide read: the
     ``param`` sites pass through to SVI while the sample sites stay inside the filter.
@@ -48,6 +68,16 @@ class SMCELBO(ELBO):
         num_filters: independent filters averaged in the loss.
         ess_threshold: resampling threshold as a fraction of ``num_particles``.
         max_plate_nesting: plates used by the model inside a step.
+        num_sequences: ``D``, the number of sequences in the data set that the minibatches are
+            drawn from; the loss is multiplied by ``D`` (above). ``None``: the minibatch mean.
+
+    The loss methods take ``(model, guide, observations, *args, lengths=None, batched=False,
+    **kwargs)``: ``observations`` ``(T, ...)``, or ``(B, T, ...)`` with ``batched=True`` (any
+    ``B``; the last minibatch may be smaller), and ``lengths`` ``(B,)`` as in
+    :meth:`SMC.run <pyro_smc.SMC.run>`. ``svi.step(batch, lengths=lengths, batched=True)``
+    passes them through. :attr:`smc` is the last run, its ``log_evidence`` ``(B * num_filters,)``
+    ordered sequence by sequence (``reshape(B, num_filters)``).
+    See ``docs/math/smc.md#batches-of-sequences``.
     """
 
     def __init__(
@@ -57,8 +87,11 @@ class SMCELBO(ELBO):
         num_filters: int = 1,
         ess_threshold: float = 0.5,
         max_plate_nesting: int = 0,
+        num_sequences: int | None = None,
     ):
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
+        if num_sequences is not None and (isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 1):
+            raise ValueError(f"num_sequences must be a positive integer (the data set's size) or None, got {num_sequences!r}")
         # Validate now rather than at the first SVI step.
         SMC(_NullModel(), num_particles=num_particles, resampler=resampler, num_filters=num_filters,
             ess_threshold=ess_threshold, max_plate_nesting=max_plate_nesting)
@@ -66,27 +99,44 @@ class SMCELBO(ELBO):
         self.resampler = resampler
         self.num_filters = num_filters
         self.ess_threshold = ess_threshold
+        self.num_sequences = num_sequences
         self.smc: SMC | None = None  # the last run, for diagnostics
 
-    def _run(self, model, guide, observations: Tensor, *args, **kwargs) -> SMC:
+    def _log_evidence(self, model, guide, observations: Tensor, *args, lengths=None, batched: bool = False, **kwargs) -> Tensor:
+        """``log Z_hat`` of every filter, ``(B, num_filters)`` (``B = 1`` unbatched)."""
+        K = self.num_filters
+        if batched is True:
+            if not isinstance(observations, Tensor) or observations.dim() < 2 or observations.shape[0] < 1:
+                shape = tuple(observations.shape) if isinstance(observations, Tensor) else type(observations).__name__
+                raise ValueError(f"observations must be a tensor of shape (B, T, ...) with B >= 1 when batched=True, got {shape}")
+            B = observations.shape[0]
+            lengths = _check_lengths(lengths, B, observations.shape[1], observations.device)
+            # Sequence b's K filters are rows b * K ... b * K + K - 1.
+            observations, lengths = observations.repeat_interleave(K, 0), lengths.repeat_interleave(K, 0)
+            num_filters = B * K
+        else:
+            B, num_filters = 1, K
         smc = SMC(
             model,
             guide,
             num_particles=self.num_particles,
             resampler=self.resampler,
             ess_threshold=self.ess_threshold,
-            num_filters=self.num_filters,
+            num_filters=num_filters,
             max_plate_nesting=self.max_plate_nesting,
         )
-        self.smc = smc.run(observations, *args, **kwargs)
-        return smc
+        self.smc = smc.run(observations, *args, lengths=lengths, batched=batched, **kwargs)
+        return smc.log_evidence.reshape(B, K)
 
     def differentiable_loss(self, model, guide, observations: Tensor, *args, **kwargs) -> Tensor:
-        """``-mean(log Z_hat)`` with its autograd graph."""
-        return -self._run(model, guide, observations, *args, **kwargs).log_evidence.mean()
+        """``-scale * sum_b mean_k log Z_hat_{b,k}`` with its autograd graph, ``scale = 1/B``, or
+        ``D/B`` with ``num_sequences=D``."""
+        log_z = self._log_evidence(model, guide, observations, *args, **kwargs)
+        loss = -log_z.mean()
+        return loss if self.num_sequences is None else self.num_sequences * loss
 
     def loss(self, model, guide, observations: Tensor, *args, **kwargs) -> float:
-        """``-mean(log Z_hat)`` as a float, without building a graph."""
+        """:meth:`differentiable_loss` as a float, without building a graph."""
         with torch.no_grad():
             return float(self.differentiable_loss(model, guide, observations, *args, **kwargs))
 

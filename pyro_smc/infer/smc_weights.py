@@ -92,6 +92,7 @@ def log_weight_terms(
     layout: ParticleLayout,
     predict_only: bool = False,
     partial: tuple[Tensor, Tensor, str] | None = None,
+    active: Tensor | None = None,
 ) -> list[tuple[str, Tensor]]:
     """Per-site contributions to ``log omega``, each reduced to the particle shape.
 
@@ -104,6 +105,9 @@ def log_weight_terms(
             as passed to the model (missing entries filled with zeros), the mask of its observed
             entries and the step's name; the observed site fed with it is scored on the observed
             entries only (:func:`mask_missing_components`).
+        active: ``(B,)`` bool, the filters whose observed sites are scored (``None``: all); the
+            observed sites' terms of the other filters are zero, as in a predict-only step
+            (see ``docs/math/smc.md#batches-of-sequences``).
 
     Returns:
         ``[(site name, term)]`` in the model's order, each term of ``layout.particle_shape``.
@@ -131,6 +135,11 @@ def log_weight_terms(
         term = _per_particle(log_p[name], model_trace.nodes[name], layout)
         if name in log_q:
             term = term - _per_particle(log_q[name], guide_trace.nodes[name], layout)
+        if active is not None and model_trace.nodes[name]["is_observed"]:
+            term = layout.batched(term)
+            term = torch.where(active.unsqueeze(-1), term, torch.zeros_like(term))
+            if len(layout.particle_shape) == 1:
+                term = term.squeeze(0)
         terms.append((name, term))
     return terms
 
