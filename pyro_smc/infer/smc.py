@@ -109,10 +109,10 @@ from pyro_smc.infer.smc_checks import (
     check_marginal_supported,
     check_positive_int,
     is_missing,
-    observed_components,
     warn_non_reparameterized,
 )
 from pyro_smc.infer import smc_smoothing as smoothing
+from pyro_smc.infer.smc_observations import fill_missing, observation_schedule
 from pyro_smc.infer.smc_scores import ScoreFunctionMixin
 from pyro_smc.infer.smc_weights import (
     ParticleLayout,
@@ -279,7 +279,7 @@ class SMC(ScoreFunctionMixin):
         argument, is an error. See ``docs/math/smc.md#missing-observations``.
         """
         missing = is_missing(args)
-        args, observed = _fill_missing(args, missing)
+        args, observed = fill_missing(args, missing)
         check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
         return self._step(args, kwargs, missing, observed)
 
@@ -350,70 +350,11 @@ class SMC(ScoreFunctionMixin):
             >>> smc.run(ys, lengths=torch.tensor([20, 12, 5]), batched=True).log_evidence.shape
             torch.Size([3])
         """
-        if not isinstance(observations, Tensor):
-            raise ValueError(f"observations must be a tensor of shape (T, ...), got {type(observations).__name__}")
-        if not isinstance(batched, bool):
-            raise ValueError(f"batched must be True or False, got {batched!r}")
-        if batched:
-            return self._run_batched(observations, args, kwargs, lengths)
-        if lengths is not None:
-            raise ValueError("lengths needs batched=True: observations (B, T, ...) of one sequence per filter")
-        if observations.dim() == 0:
-            raise ValueError("observations must have a leading time dimension, got a scalar")
-        missing = [False] * observations.shape[0]
-        partly = set()
-        if observations.is_floating_point():
-            flat = observations.reshape(observations.shape[0], -1)
-            nan = torch.isnan(flat)
-            missing = (nan.all(-1) & (flat.shape[-1] > 0)).tolist()
-            partly = set((nan.any(-1) & ~nan.all(-1)).nonzero()[:, 0].tolist())
-            for t in torch.isinf(flat).any(-1).nonzero()[:, 0].tolist():
-                check_finite_args((observations[t],), {}, f"time step {t}")
+        schedule = observation_schedule(observations, self.num_filters, lengths=lengths, batched=batched)
         self.init(*args, **kwargs)
-        for t in tqdm(range(observations.shape[0]), desc="SMC", disable=not self.progress_bar, leave=False):
+        for step in tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False):
             # Observations were checked above, all at once.
-            y, observed = observations[t], None
-            if t in partly:
-                (y,), observed = _fill_missing((y,), False)
-            self._step((y,) + args, kwargs, missing[t], observed)
-        return self
-
-    def _run_batched(self, observations: Tensor, args: tuple, kwargs: dict, lengths) -> SMC:
-        """``run(..., batched=True)``: filter ``b`` on ``observations[b]``, steps past ``lengths[b]`` masked."""
-        B = self.num_filters
-        if observations.dim() < 2 or observations.shape[0] != B:
-            raise ValueError(
-                f"observations must have shape (B, T, ...) with B == num_filters == {B} when batched=True, "
-                f"got {tuple(observations.shape)}"
-            )
-        T = observations.shape[1]
-        lengths = _check_lengths(lengths, B, T, observations.device)
-        flat = observations.reshape(B, T, -1)
-        if observations.is_floating_point():
-            padded = torch.arange(T, device=observations.device) >= lengths.unsqueeze(-1)  # (B, T)
-            nan = torch.isnan(flat) & ~padded.unsqueeze(-1)
-            row_missing = (nan.all(-1) & (flat.shape[-1] > 0)) | padded
-            partly = nan.any(-1) & ~row_missing
-            bad = (torch.isinf(flat).any(-1) & ~padded).nonzero().tolist()
-            if bad:
-                b, t = bad[0]
-                raise ValueError(f"observation at time step {t} contains inf (sequence {b})")
-            # Missing and padded entries are never scored; the model sees zeros there.
-            filled = torch.where(torch.isnan(flat) | padded.unsqueeze(-1), torch.zeros_like(flat), flat).reshape(observations.shape)
-        else:
-            padded = torch.arange(T, device=observations.device) >= lengths.unsqueeze(-1)
-            row_missing, partly, nan, filled = padded, torch.zeros_like(padded), None, observations
-        shape = (B, 1) + tuple(observations.shape[2:]) if B > 1 else tuple(observations.shape[2:])
-        self.init(*args, **kwargs)
-        for t in tqdm(range(T), desc="SMC", disable=not self.progress_bar, leave=False):
-            y = filled[:, t].reshape(shape)
-            active = ~row_missing[:, t]
-            observed = None
-            if bool(partly[:, t].any()):
-                observed = (~nan[:, t]).reshape(shape)
-            if bool(active.all()):
-                active = None
-            self._step((y,) + args, kwargs, bool(row_missing[:, t].all()), observed, active)
+            self._step((step.y,) + args, kwargs, step.predict_only, step.observed, step.active)
         return self
 
     # --- results ------------------------------------------------------------------------------
@@ -765,31 +706,3 @@ class SMC(ScoreFunctionMixin):
                     warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
                 else:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
-
-
-def _check_lengths(lengths, num_sequences: int, num_steps: int, device) -> Tensor:
-    """``lengths`` as a long tensor ``(B,)`` in ``[1, T]`` (all ``T`` when ``None``)."""
-    if lengths is None:
-        return torch.full((num_sequences,), num_steps, dtype=torch.long, device=device)
-    if not isinstance(lengths, Tensor):
-        try:
-            lengths = torch.as_tensor(lengths)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise ValueError(f"lengths must be an integer tensor of shape ({num_sequences},), got {lengths!r}") from error
-    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
-        raise ValueError(f"lengths must be an integer tensor of shape ({num_sequences},), got dtype {lengths.dtype}")
-    if tuple(lengths.shape) != (num_sequences,):
-        raise ValueError(f"lengths must be an integer tensor of shape ({num_sequences},) (one per sequence), got shape {tuple(lengths.shape)}")
-    if num_sequences and not bool(((lengths >= 1) & (lengths <= num_steps)).all()):
-        raise ValueError(f"lengths must lie in [1, T] = [1, {num_steps}], got {lengths.tolist()}")
-    return lengths.to(device=device, dtype=torch.long)
-
-
-def _fill_missing(args: tuple, missing: bool) -> tuple[tuple, Tensor | None]:
-    """``(args, observed)``: a partly-NaN observation (the first argument) with its missing entries
-    set to zero, and the mask of its observed entries (``None`` when nothing is partly missing)."""
-    observed = None if missing else observed_components(args)
-    if observed is None:
-        return args, None
-    y = args[0]
-    return (torch.where(observed, y, torch.zeros_like(y)),) + tuple(args[1:]), observed

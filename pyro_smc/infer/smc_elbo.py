@@ -42,7 +42,8 @@ import torch
 from pyro.infer import ELBO
 from torch import Tensor
 
-from pyro_smc.infer.smc import SMC, _check_lengths
+from pyro_smc.infer.smc import SMC
+from pyro_smc.infer.smc_observations import check_lengths
 
 __all__ = ["SMCELBO"]
 
@@ -110,7 +111,7 @@ class SMCELBO(ELBO):
                 shape = tuple(observations.shape) if isinstance(observations, Tensor) else type(observations).__name__
                 raise ValueError(f"observations must be a tensor of shape (B, T, ...) with B >= 1 when batched=True, got {shape}")
             B = observations.shape[0]
-            lengths = _check_lengths(lengths, B, observations.shape[1], observations.device)
+            lengths = check_lengths(lengths, B, observations.shape[1], observations.device)
             # Sequence b's K filters are rows b * K ... b * K + K - 1.
             observations, lengths = observations.repeat_interleave(K, 0), lengths.repeat_interleave(K, 0)
             num_filters = B * K
