@@ -507,21 +507,27 @@ def test_partly_missing_observations_against_kalman(use_step):
     assert abs(float(full_exact - exact)) > 1.0
 
 
+class _RecordingGuide:
+    """A guide that proposes nothing and records the observations it is called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, state):
+        pass
+
+    def step(self, state, y):
+        self.calls.append(y)
+
+
 def test_partly_missing_observation_skips_the_guide_and_needs_one_observed_site():
     ssm = _lgssm(0.5)
     _, ys = ssm.simulate(3)
-    calls = []
+    guide = _RecordingGuide()
 
-    class Guide:
-        def init(self, state):
-            pass
-
-        def step(self, state, y):
-            calls.append(y)
-
-    smc = SMC(ssm, Guide(), num_particles=5).init()
+    smc = SMC(ssm, guide, num_particles=5).init()
     smc.step(torch.tensor([math.nan, 0.3]))
-    assert calls == [] and torch.isfinite(smc.log_evidence).all()
+    assert guide.calls == [] and torch.isfinite(smc.log_evidence).all()
 
     class TwoSites:
         def init(self, state):
@@ -540,14 +546,7 @@ def test_partly_missing_observation_skips_the_guide_and_needs_one_observed_site(
 def test_none_or_all_nan_observation_leaves_weights_and_evidence_unchanged():
     ssm = _lgssm(0.5)
     _, ys = ssm.simulate(3)
-    calls = []
-
-    class Guide:
-        def init(self, state):
-            pass
-
-        def step(self, state, y):
-            calls.append(y)
+    guide = _RecordingGuide()
 
     for missing in (None, torch.full_like(ys[0], math.nan)):
         smc = SMC(ssm, num_particles=50, ess_threshold=1e-9).init()
@@ -557,10 +556,10 @@ def test_none_or_all_nan_observation_leaves_weights_and_evidence_unchanged():
         assert torch.equal(smc.log_weights, log_w) and torch.equal(smc.log_evidence, log_z)
         assert not torch.isnan(smc.state["x"]).any()
     # The guide, which may need the observation, is not called at a predict-only step.
-    guided = SMC(ssm, Guide(), num_particles=5)
+    guided = SMC(ssm, guide, num_particles=5)
     guided.init()
     guided.step(None)
-    assert calls == []
+    assert guide.calls == []
 
 
 def test_result_snapshot_splits_the_evidence_into_per_step_increments():
