@@ -378,6 +378,18 @@ def summary_cells(d: dict) -> dict:
     return {"ours": ours, "anchor": anchor, "comparison": comp, "goal": d["goal"]["text"], "met": met}
 
 
+def provenance(start: float, library_state: list[str] | None) -> dict:
+    """How a result was produced: wall time since ``start``, the git HEAD, the library files that
+    were uncommitted when the run began, the date."""
+    return {
+        "finished": True,
+        "wall_s": time.perf_counter() - start,
+        "git_head": git_head(),
+        "uncommitted_library_files": library_state,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
 def git_head() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip() or None
@@ -602,11 +614,7 @@ def main():
                 "caveats": "PyDPF's loss normalisation and hardware are unknown: grad SD is shown raw and per time step; times are on this machine",
             },
             "reduced": args.reduced or None,
-            "finished": True,
-            "wall_s": time.perf_counter() - start,
-            "git_head": git_head(),
-            "uncommitted_library_files": library_state,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            **provenance(start, library_state),
         },
         dtype=DTYPE,
         summary=summary_cells,

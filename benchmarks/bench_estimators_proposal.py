@@ -69,7 +69,7 @@ import pyro.distributions as dist
 import torch
 
 from _common import add_common_args, g3, print_table, progress, setup, write_results
-from bench_estimators import DESCRIBE, git_head, make_resampler, uncommitted_library_files
+from bench_estimators import DESCRIBE, make_resampler, provenance, uncommitted_library_files
 from pyro_smc import SMC
 from pyro_smc.models import LinearGaussianSSM
 
@@ -482,11 +482,7 @@ def main():
             "phi_optimal": {k: v.tolist() for k, v in phi_opt.items()},
             "references": refs,
             "estimators": est,
-            "finished": True,
-            "wall_s": time.perf_counter() - start,
-            "git_head": git_head(),
-            "uncommitted_library_files": library_state,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            **provenance(start, library_state),
         },
         dtype=DTYPE,
         summary=summary_cells,

@@ -471,13 +471,11 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
     def _step_context(self):
         # The handlers are built once (in _reset) and re-entered each step: building them costs
         # more than the rest of a small step's bookkeeping.
-        with self._block, self._modules() if self._has_modules else contextlib.nullcontext(), contextlib.ExitStack() as stack:
+        modules = module_context(self.model, self.guide) if self._has_modules else contextlib.nullcontext()
+        with self._block, modules, contextlib.ExitStack() as stack:
             for plate in self._plates:
                 stack.enter_context(plate)
             yield stack
-
-    def _modules(self):
-        return module_context(self.model, self.guide)
 
     def _propagate(self, model_fn, guide_fn, args, kwargs, where: str, predict_only: bool = False, partial=None, active=None) -> None:
         score_function = self.score_function
@@ -570,9 +568,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
                 )
 
     def _batched_state(self) -> dict[str, Tensor]:
-        if self.num_filters > 1:
-            return dict(self.state)
-        return {key: value.unsqueeze(0) for key, value in self.state.items()}
+        return {key: self._layout.batched_particles(value) for key, value in self.state.items()}
 
     def _record(self, where: str) -> None:
         log_w = self.log_weights

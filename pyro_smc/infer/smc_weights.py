@@ -43,10 +43,12 @@ __all__ = [
     "SMCFailedError",
     "centred_increment",
     "failure",
+    "log_density_against_parents",
     "log_weight_terms",
     "mask_missing_components",
     "pairwise_transition_log_density",
     "score_terms",
+    "transition_site_problem",
 ]
 
 
@@ -78,6 +80,10 @@ class ParticleLayout:
         if self.num_filters > 1:
             return (self.num_filters, self.num_particles)
         return (self.num_particles,)
+
+    def batched_particles(self, value: Tensor) -> Tensor:
+        """A per-particle tensor ``(*particle_shape, *event)`` as ``(B, N, *event)`` (a view)."""
+        return value if self.num_filters > 1 else value.unsqueeze(0)
 
     def batched(self, term: Tensor) -> Tensor:
         """A per-particle term as ``(B, N)``."""
@@ -235,24 +241,44 @@ def pairwise_transition_log_density(model_trace: Trace, layout: ParticleLayout) 
         ValueError: a site whose batch shape is not the particle shape, or that is scaled or
             masked (naming the site).
     """
-    shape = layout.particle_shape
     total = None
     for name, site in model_trace.nodes.items():
         if not is_latent(site):
             continue
-        fn, value = site["fn"], site["value"]
-        if tuple(fn.batch_shape) != shape or site.get("mask") is not None or site.get("scale", 1.0) != 1.0:
-            raise ValueError(
-                f"marginal stop-gradient: site '{name}' has batch shape {tuple(fn.batch_shape)}"
-                f"{' and a mask or scale' if tuple(fn.batch_shape) == shape else ''}; every latent site of a step must be "
-                f"an unscaled, unmasked distribution of batch shape exactly {shape} (the particles), indexed by the parent"
-            )
-        if layout.num_filters > 1:
-            pairs = fn.log_prob(value.movedim(1, 0).unsqueeze(2)).movedim(0, 1)  # (B, N_i, N_j)
-        else:
-            pairs = fn.log_prob(value.unsqueeze(1)).unsqueeze(0)  # (1, N_i, N_j)
+        problem = transition_site_problem(name, site, layout)
+        if problem is not None:
+            raise ValueError(f"marginal stop-gradient: {problem}")
+        # The new particles i as the "draws" of log_density_against_parents: (N_i, B, *event).
+        values = layout.batched_particles(site["value"]).movedim(1, 0)
+        pairs = log_density_against_parents(site["fn"], values, layout).movedim(0, 1)  # (B, N_i, N_j)
         total = pairs if total is None else total + pairs
     return total
+
+
+def transition_site_problem(name: str, site: dict, layout: ParticleLayout) -> str | None:
+    """Why a latent site cannot serve as a transition density indexed by the parent particle
+    (``None`` when it can): it must be unscaled, unmasked, of batch shape exactly the particle
+    shape. The marginal stop-gradient estimator and particle smoothing both need this."""
+    shape = layout.particle_shape
+    fn = site["fn"]
+    if tuple(fn.batch_shape) == shape and site.get("mask") is None and site.get("scale", 1.0) == 1.0:
+        return None
+    return (
+        f"site '{name}' has batch shape {tuple(fn.batch_shape)}{' and a mask or scale' if tuple(fn.batch_shape) == shape else ''}; "
+        f"every latent site of a step must be an unscaled, unmasked distribution of batch shape exactly {shape} "
+        "(the particles), indexed by the parent"
+    )
+
+
+def log_density_against_parents(fn, values: Tensor, layout: ParticleLayout) -> Tensor:
+    """``log f(values[s, b] | parent j)`` for every parent ``j`` of filter ``b``, one ``log_prob`` call.
+
+    ``fn`` has the particle shape as batch shape, its index being the parent; ``values`` is
+    ``(S, B, *event)`` and is broadcast against it. Returns ``(S, B, N)``.
+    """
+    if layout.num_filters > 1:
+        return fn.log_prob(values.unsqueeze(2))  # (S, B, 1, *event) against (B, N)
+    return fn.log_prob(values[:, 0].unsqueeze(1)).unsqueeze(1)  # (S, 1, *event) against (N,)
 
 
 def _per_particle(log_p: Tensor, site: dict, layout: ParticleLayout) -> Tensor:

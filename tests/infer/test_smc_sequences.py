@@ -86,6 +86,14 @@ def _unbiased(log_z_hat, exact):
     return abs(float(ratio.mean()) - 1) < MC_SIGMAS * float(ratio.std()) / math.sqrt(ratio.numel())
 
 
+def _evidence_per_sequence(ssm, ys, K, seed):
+    """``log Z_hat (S, K)``: each of the ``S`` sequences ``ys`` run by ``K`` filters of one batched pass."""
+    pyro.set_rng_seed(seed)
+    with torch.no_grad():
+        smc = SMC(ssm, num_particles=100, num_filters=ys.shape[0] * K).run(ys.repeat_interleave(K, 0), batched=True)
+    return smc, smc.log_evidence.reshape(ys.shape[0], K)
+
+
 def test_each_filter_estimates_its_own_sequence_evidence():
     """Three different sequences, each run by K filters in one batch; Z_hat_b is unbiased for
     p(y^b) and the three evidences are far apart, so a mix-up of sequences would show."""
@@ -93,10 +101,7 @@ def test_each_filter_estimates_its_own_sequence_evidence():
     S, K, T = 3, 300, 8
     ys = _sequences(ssm, S, T, seed=1)
     exact = torch.stack([ssm.log_evidence(y) for y in ys])
-    pyro.set_rng_seed(2)
-    with torch.no_grad():
-        smc = SMC(ssm, num_particles=100, num_filters=S * K).run(ys.repeat_interleave(K, 0), batched=True)
-    log_z = smc.log_evidence.reshape(S, K)
+    _, log_z = _evidence_per_sequence(ssm, ys, K, seed=2)
     for s in range(S):
         assert _unbiased(log_z[s], exact[s]), s
 
@@ -140,10 +145,7 @@ def test_nan_rows_are_per_filter_missing_observations():
     ys[0, 2] = math.nan
     ys[1, 3, 1] = math.nan
     exact = torch.stack([ssm.log_evidence(y) for y in ys])  # Kalman skips NaN entries
-    pyro.set_rng_seed(6)
-    with torch.no_grad():
-        smc = SMC(ssm, num_particles=100, num_filters=S * K).run(ys.repeat_interleave(K, 0), batched=True)
-    log_z = smc.log_evidence.reshape(S, K)
+    smc, log_z = _evidence_per_sequence(ssm, ys, K, seed=6)
     for s in range(S):
         assert _unbiased(log_z[s], exact[s]), s
     increments = smc.log_evidence_increments.reshape(T, S, K)
