@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyro.poutine as poutine
+import torch
 from pyro.nn import PyroModule
 from pyro.distributions.util import scale_and_mask
 from pyro.poutine.messenger import Messenger
@@ -53,6 +54,7 @@ __all__ = [
     "latent_sites",
     "module_context",
     "param_sites",
+    "replay_where",
     "site_log_probs",
     "trace_program",
 ]
@@ -188,3 +190,60 @@ def detach_latent_draws() -> Messenger:
         (False, True)
     """
     return _DetachLatentDraws()
+
+
+class _ReplayWhere(Messenger):
+    """Replays a trace's latent values in the rows a mask selects (see :func:`replay_where`)."""
+
+    def __init__(self, trace: Trace, mask: Tensor, dims_right: int) -> None:
+        super().__init__()
+        self.trace = trace
+        self.mask = mask
+        self.dims_right = dims_right
+
+    def _pyro_post_sample(self, msg: dict) -> None:
+        site = self.trace.nodes.get(msg["name"])
+        if site is None or not is_latent(msg) or not is_latent(site):
+            return
+        value = msg["value"]
+        trailing = self.dims_right + len(msg["fn"].event_shape)
+        mask = self.mask.reshape(self.mask.shape + (1,) * trailing)
+        mixed = torch.where(mask, site["value"], value)
+        if mixed.shape != value.shape:
+            raise ValueError(
+                f"site '{msg['name']}' has shape {tuple(value.shape)}, which has no batch dim {-1 - trailing} of size "
+                f"{self.mask.shape[0]} to choose the replayed value per row along"
+            )
+        msg["value"] = mixed
+
+
+def replay_where(trace: Trace, mask: Tensor, dims_right: int) -> Messenger:
+    """A handler under which each latent site takes ``trace``'s value in the rows ``mask`` selects.
+
+    Unlike ``poutine.replay`` the program still draws every latent site itself; then, along the
+    batch dim ``-1 - dims_right`` of the site's batch shape (of size ``mask.shape[0]``), the rows
+    where ``mask`` is true take the value recorded in ``trace`` and the others keep the fresh draw.
+    ``SMC`` uses it on a batch of sequences: the filters that observe at a step move by the guide,
+    the others by the model's own transition. Enter it *outside* ``poutine.trace`` so that the
+    trace records the chosen values.
+
+    Args:
+        trace: the trace whose latent values are replayed (a guide's).
+        mask: bool ``(R,)``, the rows that take the replayed values.
+        dims_right: batch dims right of the masked dim (for ``SMC``'s filters: ``1 +
+            max_plate_nesting``, the particle dim and the model's plates).
+
+    Raises:
+        ValueError: (while the program runs) a site has no batch dim of size ``R`` at that place.
+
+    Example:
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> def program():
+        ...     return pyro.sample("x", dist.Normal(torch.zeros(2, 3), 1.0))
+        >>> recorded = poutine.trace(lambda: pyro.sample("x", dist.Normal(torch.full((2, 3), 9.0), 1e-3))).get_trace()
+        >>> with replay_where(recorded, torch.tensor([True, False]), dims_right=1):
+        ...     x = program()
+        >>> bool((x[0] > 8).all()), bool((x[1] < 8).all())
+        (True, True)
+    """
+    return _ReplayWhere(trace, mask, dims_right)

@@ -128,7 +128,7 @@ from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import all_finite
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
-from pyro_smc.tracing import detach_latent_draws, module_context
+from pyro_smc.tracing import detach_latent_draws, module_context, replay_where
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
 
@@ -290,7 +290,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             raise RuntimeError("SMC.step called before SMC.init")
         where = f"time step {self._t}"
         partial = None if observed is None else (args[0], observed, where)
-        proposes = not predict_only and partial is None and active is None
+        proposes = not predict_only and partial is None
         guide_step = self.guide.step if self.guide is not None and proposes else None
         self._propagate(self.model.step, guide_step, args, kwargs, where, predict_only, partial, active)
         self._t += 1
@@ -315,12 +315,15 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         and ``log_evidence[b]`` do not change; padded entries are never read and may hold
         anything, NaN included). A NaN row (all entries of ``observations[b, t]``) is
         predict-only for filter ``b`` alone, a partly-NaN row is scored on its observed entries
-        (the site must factorise over them, as for an unbatched run). A step at which any filter
-        is predict-only or partly observed moves *every* filter by the model's transition (the
-        guide is not called, since it may need the observation; the estimate stays unbiased, the
-        proposal is only less good there), so with a guide, batch sequences of similar lengths.
-        The model is called once per step for all filters: it must not branch on the
-        observation's values. See ``docs/math/smc.md#batches-of-sequences``.
+        (the site must factorise over them, as for an unbatched run). With a guide, a step at
+        which some filters observe nothing still calls the guide for all filters (their
+        observation rows reach it as zeros); the filters that observe move by the guide's
+        draws, the others by the model's own transition (``q = f``, so their weights do not
+        change). A step with a partly-NaN row moves *every* filter by the model's transition
+        (the guide may need the missing entries; the estimate stays unbiased, the proposal is
+        only less good there). The model and guide are called once per step for all filters:
+        they must not branch on the observation's values.
+        See ``docs/math/smc.md#batches-of-sequences``.
 
         Args:
             observations: tensor ``(T, ...)``; with ``batched=True``, ``(B, T, ...)``. A step whose
@@ -491,15 +494,19 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             if score_function:
                 # Inside the plates, outside the traces: the traces record the detached draws.
                 stack.enter_context(detach_latent_draws())
-            guide_trace = None
+            guide_trace, replay = None, contextlib.nullcontext()
             try:
                 # poutine.trace() as a context manager: get_trace would copy the trace each step.
                 if guide_fn is not None:
                     with self.state._lock(), poutine.trace() as tracer:
                         guide_fn(self.state, *args, **kwargs)
                     guide_trace = tracer.trace
-                    model_fn = poutine.replay(model_fn, trace=guide_trace)
-                with poutine.trace() as tracer:
+                    if active is None:
+                        model_fn = poutine.replay(model_fn, trace=guide_trace)
+                    else:
+                        # Filters that observe nothing here move by the model's own transition.
+                        replay = replay_where(guide_trace, active, 1 + self.max_plate_nesting)
+                with replay, poutine.trace() as tracer:
                     model_fn(self.state, *args, **kwargs)
                 model_trace = tracer.trace
             except ValueError as error:
@@ -518,7 +525,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         if marginal:
             score = self._marginal_scores(model_fn, model_trace, before, args, kwargs, where)
         else:
-            score = score_terms(model_trace, guide_trace, self._layout) if score_function and torch.is_grad_enabled() else None
+            score = score_terms(model_trace, guide_trace, self._layout, active) if score_function and torch.is_grad_enabled() else None
         self._check_state(where)
         if not terms:
             # Nothing was scored (e.g. an init that only sets up bookkeeping, a predict-only step).

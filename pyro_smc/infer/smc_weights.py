@@ -112,8 +112,9 @@ def log_weight_terms(
             entries and the step's name; the observed site fed with it is scored on the observed
             entries only (:func:`mask_missing_components`).
         active: ``(B,)`` bool, the filters whose observed sites are scored (``None``: all); the
-            observed sites' terms of the other filters are zero, as in a predict-only step
-            (see ``docs/math/smc.md#batches-of-sequences``).
+            observed sites' terms of the other filters are zero, as in a predict-only step, and
+            so are their proposed sites' (those filters moved by the model's transition, ``q = f``;
+            see ``docs/math/smc.md#batches-of-sequences``).
 
     Returns:
         ``[(site name, term)]`` in the model's order, each term of ``layout.particle_shape``.
@@ -141,7 +142,7 @@ def log_weight_terms(
         term = _per_particle(log_p[name], model_trace.nodes[name], layout)
         if name in log_q:
             term = term - _per_particle(log_q[name], guide_trace.nodes[name], layout)
-        if active is not None and model_trace.nodes[name]["is_observed"]:
+        if active is not None and (model_trace.nodes[name]["is_observed"] or name in log_q):
             term = layout.batched(term)
             term = torch.where(active.unsqueeze(-1), term, torch.zeros_like(term))
             if len(layout.particle_shape) == 1:
@@ -198,13 +199,15 @@ def mask_missing_components(model_trace: Trace, filled: Tensor, observed: Tensor
     site["log_prob"] = scale_and_mask(log_p, site["scale"], site["mask"])
 
 
-def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout) -> Tensor | None:
+def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout, active: Tensor | None = None) -> Tensor | None:
     """The score-function terms of one step's proposal draws, summed per particle.
 
     The proposal is the guide's latent sites (density ``q``) and the model's latent sites the
     guide does not sample (drawn from the model itself: ``q = f``). Each contributes
     ``log q(x) - stop_grad(log q(x))``: zero in value, ``d log q(x)`` in autograd, with the draw
-    ``x`` itself detached. A non-finite ``log q`` contributes zero.
+    ``x`` itself detached. A non-finite ``log q`` contributes zero. With ``active`` ``(B,)`` (a
+    batch of sequences at a step where some filters observe nothing) the other filters drew every
+    site from the model, so their guide sites' scores are the model's, ``q = f``.
     See ``docs/math/smc.md#stop-gradient-resampling``.
 
     Returns:
@@ -214,11 +217,14 @@ def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleL
     sources += [(model_trace, name) for name, site in model_trace.nodes.items() if is_latent(site) and (guide_trace is None or name not in guide_trace.nodes)]
     total = None
     for trace, name in sources:
-        log_q = _per_particle(site_log_probs(trace, [name])[name], trace.nodes[name], layout)
-        if not log_q.requires_grad:
+        score = _score(trace, name, layout)
+        if active is not None and trace is guide_trace:
+            own = _score(model_trace, name, layout)
+            if score is None and own is None:
+                continue
+            score = torch.where(active.unsqueeze(-1), 0.0 if score is None else score, 0.0 if own is None else own)
+        if score is None:
             continue
-        score = torch.where(torch.isfinite(log_q), log_q - log_q.detach(), torch.zeros_like(log_q))
-        score = layout.batched(score)
         total = score if total is None else total + score
     return total
 
@@ -279,6 +285,15 @@ def log_density_against_parents(fn, values: Tensor, layout: ParticleLayout) -> T
     if layout.num_filters > 1:
         return fn.log_prob(values.unsqueeze(2))  # (S, B, 1, *event) against (B, N)
     return fn.log_prob(values[:, 0].unsqueeze(1)).unsqueeze(1)  # (S, 1, *event) against (N,)
+
+
+def _score(trace: Trace, name: str, layout: ParticleLayout) -> Tensor | None:
+    """``log q(x) - stop_grad(log q(x))`` of one site, ``(B, N)`` (zero where non-finite), or
+    ``None`` when ``log q`` has no autograd graph."""
+    log_q = _per_particle(site_log_probs(trace, [name])[name], trace.nodes[name], layout)
+    if not log_q.requires_grad:
+        return None
+    return layout.batched(torch.where(torch.isfinite(log_q), log_q - log_q.detach(), torch.zeros_like(log_q)))
 
 
 def _per_particle(log_p: Tensor, site: dict, layout: ParticleLayout) -> Tensor:

@@ -159,11 +159,40 @@ def test_nan_rows_are_per_filter_missing_observations():
         SMC(full, num_particles=10, num_filters=2).run(ys, batched=True)
 
 
-def test_a_masked_step_moves_every_filter_by_the_model():
-    """The guide needs the observation, so it is not called at a step where a filter has none;
-    every other step uses it (with its parameter's gradient)."""
+class FarProposal:
+    """A proposal nowhere near the model: particles it moves sit at 1000."""
+
+    def init(self, state):
+        self.t = 0
+
+    def step(self, state, y):
+        pyro.sample(f"x_{self.t}", dist.Normal(torch.full((2,), 1000.0), 1e-3).to_event(1))
+        self.t += 1
+
+
+def test_a_masked_filter_moves_by_the_model_the_others_by_the_guide():
+    """At a step where filter 1 has no observation, filter 0's particles come from the guide and
+    filter 1's from the model's transition, with no weight change for filter 1."""
     ssm = _lgssm()
-    ys = _sequences(ssm, 2, 6, seed=7)
+    ys = _sequences(ssm, 2, 3, seed=7)
+    pyro.set_rng_seed(0)
+    smc = SMC(ssm, FarProposal(), num_particles=20, num_filters=2).run(ys, lengths=torch.tensor([3, 2]), batched=True)
+    means = smc.filtering_means["x"]
+    assert bool((means[:, 0] > 999).all())
+    # Filter 1 reached 1000 by the guide, then moved by x_t = 0.8 x_{t-1} + N(0, 1).
+    assert bool(((means[2, 1] - 0.8 * means[1, 1]).abs() < 5 / math.sqrt(20)).all())
+    assert bool((smc.log_evidence_increments[2, 1] == 0).all())
+    assert torch.equal(smc.ess_history[2, 1], smc.ess_history[1, 1]) or bool(smc.resampled[1, 1])
+
+
+def test_a_guide_runs_at_every_step_of_a_padded_batch():
+    """The guide is called at every step (padding reaches it as zeros); each sequence's Z_hat is
+    unbiased for the Kalman evidence of its first L_b steps, the predicted filtering means of the
+    ended sequence match Kalman's prediction, and the guide's parameter gets a gradient."""
+    ssm = _lgssm(theta=0.95)
+    S, K, T = 2, 200, 6
+    lengths = torch.tensor([6, 3])
+    ys = _sequences(ssm, S, T, seed=8)
     calls = []
 
     class Counting(ShiftedProposal):
@@ -172,10 +201,22 @@ def test_a_masked_step_moves_every_filter_by_the_model():
             super().step(state, y)
 
     pyro.clear_param_store()
-    smc = SMC(ssm, Counting(ssm), num_particles=20, num_filters=2).run(ys, lengths=torch.tensor([6, 4]), batched=True)
-    assert calls == [0, 1, 2, 3]
+    pyro.set_rng_seed(9)
+    smc = SMC(ssm, Counting(ssm), num_particles=200, num_filters=S * K).run(
+        ys.repeat_interleave(K, 0), lengths=lengths.repeat_interleave(K), batched=True)
+    assert calls == list(range(T))
     smc.log_evidence.sum().backward()
     assert pyro.param("phi").unconstrained().grad is not None
+    log_z = smc.log_evidence.detach().reshape(S, K)
+    for s, L in enumerate(lengths.tolist()):
+        assert _unbiased(log_z[s], ssm.log_evidence(ys[s, :L])), s
+    ended = ys[1].clone()
+    ended[3:] = math.nan
+    kalman = ssm.kalman_filter(ended)
+    means = smc.filtering_means["x"].detach().reshape(T, S, K, 2)[:, 1]  # (T, K, 2)
+    error = means.mean(1) - kalman.means
+    sem = means.std(1) / math.sqrt(K)
+    assert bool((error.abs() < MC_SIGMAS * sem).all()), (error, sem)
 
 
 @pytest.mark.parametrize("gradient", ["stop_gradient", "marginal_stop_gradient"])
