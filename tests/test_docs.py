@@ -3,7 +3,6 @@
 import importlib
 import os
 import pathlib
-import math
 import re
 import time
 import warnings
