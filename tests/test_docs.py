@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = {
     "pyro_smc": ["SMC", "SMCELBO", "EPSmoother", "OnlineVariationalFilter"],
     "pyro_smc.resamplers": ["MultinomialResampler", "SystematicResampler", "StratifiedResampler", "SoftResampler", "OTResampler"],
-    "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM", "DiagonalLinearGaussianSSM", "ChaoticRNN"],
+    "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM", "DiagonalLinearGaussianSSM", "ChaoticRNN", "NeuralSSM", "NeuralProposal"],
     "pyro_smc.gp": ["MultiOutputGP"],
     "pyro_smc.distributions": ["MatrixNormal"],
     "pyro_smc.guides": ["AutoKroneckerFlow", "StreamingFilterGuide"],
