@@ -115,7 +115,7 @@ def test_svi_learns_the_noise_scales_and_a_proposal():
     guide = NeuralProposal(model, hidden_dim=8)
     svi = SVI(model, guide, Adam({"lr": 0.02}), SMCELBO(num_particles=20, num_sequences=40))
     before = svi.evaluate_loss(data, batched=True)
-    for step in range(150):
+    for _ in range(150):
         idx = torch.randperm(40)[:8]
         svi.step(data[idx], batched=True)
     after = svi.evaluate_loss(data, batched=True)
