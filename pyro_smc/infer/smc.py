@@ -157,10 +157,15 @@ class SMCState(dict):
 class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
     """Differentiable, vectorised particle filter over Pyro ``init``/``step`` models.
 
+    The first four arguments are positional as in ``SMCFilter(model, guide, num_particles,
+    max_plate_nesting)``, so a call written for ``SMCFilter`` works unchanged; the rest are
+    keyword-only.
+
     Args:
         model: object with ``init(state, *args)`` and ``step(state, *args)`` Pyro methods.
         guide: proposal with the same methods, or ``None`` for the bootstrap filter.
-        num_particles: particles per filter, ``N >= 1``.
+        num_particles: particles per filter, ``N >= 1`` (required).
+        max_plate_nesting: number of plates the model uses inside a step (as in SMCFilter).
         resampler: a resampler from :mod:`pyro_smc.resamplers`; default systematic. An index
             resampler with ``gradient="stop_gradient"`` switches on the Fisher-identity
             gradient, ``gradient="marginal_stop_gradient"`` its ``O(N^2)`` marginal version (above).
@@ -169,7 +174,6 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         num_filters: independent filters ``B`` run in one vectorised pass: on one sequence, or
             one each on a batch of ``B`` sequences (``run(..., batched=True)``; see
             ``docs/math/smc.md#batches-of-sequences``).
-        max_plate_nesting: number of plates the model uses inside a step (as in SMCFilter).
         progress_bar: show a tqdm progress bar in :meth:`run` (off by default; the CLI demo turns it on).
         store_history: keep, per step, the weighted particles, the particles the step propagated
             from with their log-weights, its latent sites' distributions and the resampler's
@@ -193,15 +197,17 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         self,
         model,
         guide=None,
+        num_particles: int | None = None,
+        max_plate_nesting: int = 0,
         *,
-        num_particles: int,
         resampler: Callable | None = None,
         ess_threshold: float = 0.5,
         num_filters: int = 1,
-        max_plate_nesting: int = 0,
         progress_bar: bool = False,
         store_history: bool = False,
     ):
+        if num_particles is None:
+            raise TypeError("SMC needs num_particles: SMC(model, guide, num_particles, max_plate_nesting) or SMC(model, num_particles=N)")
         self.num_particles = check_positive_int("num_particles", num_particles)
         self.num_filters = check_positive_int("num_filters", num_filters)
         if isinstance(max_plate_nesting, bool) or not isinstance(max_plate_nesting, int) or max_plate_nesting < 0:

@@ -585,3 +585,20 @@ def test_result_reports_whether_each_transport_converged():
         hard = SMC(ssm, num_particles=20, num_filters=3, ess_threshold=1.0, resampler=OTResampler(0.5, max_iter=2)).run(ys).result
     # Every filter resampled at every step and no solve converged in two iterations.
     assert bool(hard.resampled.all()) and not bool(hard.resampler_converged.any())
+
+
+def test_smcfilter_positional_form():
+    """``SMC(model, guide, num_particles, max_plate_nesting)`` as for ``SMCFilter``; the same run as
+    the keyword form, and a missing ``num_particles`` is named."""
+    eye = torch.eye(2)
+    ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye)
+    _, ys = ssm.simulate(5, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for make in (lambda: SMC(ssm, None, 50, 0), lambda: SMC(ssm, num_particles=50, max_plate_nesting=0)):
+        pyro.set_rng_seed(0)
+        runs.append(make().run(ys))
+    assert runs[0].num_particles == 50 and torch.equal(runs[0].log_evidence, runs[1].log_evidence)
+    with pytest.raises(TypeError, match="num_particles"):
+        SMC(ssm)
+    with pytest.raises(TypeError):
+        SMC(ssm, None, 50, 0, SystematicResampler())  # the rest is keyword-only
