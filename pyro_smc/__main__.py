@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     exact = kalman_filter(ys, torch.diag(exact_theta), eye, eye, 0.1 * eye, torch.zeros(2), eye).log_evidence
     (score,) = torch.autograd.grad(exact, exact_theta)
 
-    print(f"2-d linear Gaussian model, T = {args.steps}, theta = (0.5, 0.5)")
-    print(f"{'resampler':<22}{'log Z_hat (mean +- sd)':>28}{'exact':>12}{'d/dtheta (mean)':>22}{'time':>9}")
+    # Every run first (their progress bars go to stderr), then the table: the bars never land
+    # between its rows.
+    rows = []
     for name, resampler in [("OT (eps=%g)" % args.epsilon, OTResampler(epsilon=args.epsilon)), ("systematic", SystematicResampler())]:
         ssm_theta = theta.clone().requires_grad_()
         ssm.A = torch.diag(ssm_theta)
@@ -47,10 +48,13 @@ def main(argv: list[str] | None = None) -> None:
         (grad,) = torch.autograd.grad(smc.log_evidence.mean(), ssm_theta)
         elapsed = time.perf_counter() - start
         lz = smc.log_evidence.detach()
-        print(
+        rows.append(
             f"{name:<22}{lz.mean():>16.2f} +- {lz.std():<8.2f}{exact.item():>12.2f}"
             f"{'(%.1f, %.1f)' % tuple(grad.tolist()):>22}{elapsed:>8.2f}s"
         )
+    print(f"2-d linear Gaussian model, T = {args.steps}, theta = (0.5, 0.5)")
+    print(f"{'resampler':<22}{'log Z_hat (mean +- sd)':>28}{'exact':>12}{'d/dtheta (mean)':>22}{'time':>9}")
+    print("\n".join(rows))
     print(f"{'exact Kalman score':<62}{'(%.1f, %.1f)' % tuple(score.tolist()):>22}")
     print(f"{args.num_filters} filters x {args.num_particles} particles, forward + backward")
 

@@ -130,8 +130,14 @@ def test_quickstart_demo_runs(capsys):
     from pyro_smc.__main__ import main
 
     main(["--num-particles", "20", "--num-filters", "2", "--steps", "10"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "exact" in out and "OT" in out
+    # The table is printed in one piece after the runs: stdout holds no progress-bar text, and
+    # the bars (stderr) are all written before the table's first line.
+    assert "it/s" not in out and "\r" not in out
+    lines = out.splitlines()
+    assert lines[1].startswith("resampler") and lines[2].startswith("OT") and lines[3].startswith("systematic")
 
 
 @pytest.mark.parametrize("notebook", sorted((ROOT / "tutorials").glob("*.ipynb")), ids=lambda p: p.name)
