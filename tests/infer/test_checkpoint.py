@@ -87,3 +87,39 @@ def test_killed_stream_resumes_bit_identically(engine, tmp_path):
     assert expected.keys() == got.keys()
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
+
+
+def test_smc_checkpoints_hold_no_parameters():
+    """As the README says: ``SMC.state_dict`` holds the filters, not the parameters. A PyroParam and
+    a module weight changed after the checkpoint keep their new values after ``load_state_dict``,
+    and no tensor in the checkpoint is a parameter."""
+    import pyro
+
+    from pyro_smc import SMC
+    from pyro_smc.models import NeuralSSM
+
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    model = NeuralSSM(2, hidden_dim=4)
+    ys = torch.randn(4, 2)
+    smc = SMC(model, num_particles=8).run(ys)
+    checkpoint = smc.state_dict()
+    with torch.no_grad():
+        model.transition_scale = torch.full((2,), 0.123)
+        model.transition_net[0].weight.fill_(0.5)
+    smc.load_state_dict(checkpoint)
+    torch.testing.assert_close(model.transition_scale, torch.full((2,), 0.123))
+    assert bool((model.transition_net[0].weight == 0.5).all())
+    params = {id(p) for p in model.parameters()}
+
+    def tensors(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from tensors(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from tensors(v)
+
+    assert not any(isinstance(t, torch.nn.Parameter) or id(t) in params for t in tensors(checkpoint))
