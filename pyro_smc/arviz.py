@@ -176,7 +176,8 @@ def to_inference_data(
 
     Args:
         obj: a run :class:`~pyro_smc.SMC`, an :class:`~pyro_smc.OnlineVariationalFilter`, or a guide.
-        *args, **kwargs: the model's arguments (guides only).
+        *args: the model's positional arguments (guides only).
+        **kwargs: the model's keyword arguments (guides only).
         model: the model a guide approximates (defaults to ``guide.model``).
         num_draws: draws per chain for SMC (default: the number of particles); total draws for
             a guide or a streaming filter (default 1000).

@@ -1,6 +1,6 @@
 """Value- and score-function regressors of the online variational filter (the public import path).
 
-The code lives in :mod:`pyro_smc.infer.regression`, beside its only user, the online filter;
+The code lives in ``pyro_smc.infer.regression``, beside its only user, the online filter;
 this module re-exports it so that ``from pyro_smc.regression import make_regressor`` keeps working.
 
 Example:

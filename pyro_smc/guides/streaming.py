@@ -98,8 +98,8 @@ class StreamingFilterGuide(StreamingFamily):
 
     @property
     def online(self) -> bool:
-        """Whether the guide is in its online role: built without ``num_steps`` and never yet
-        called as a whole-trajectory guide (which fixes ``num_steps``)."""
+        """Whether the guide is in its online role (built without ``num_steps`` and never yet
+        called as a whole-trajectory guide, which fixes ``num_steps``)."""
         return self.num_steps is None
 
     # --- the offline role: a whole-trajectory Pyro guide --------------------------------------
@@ -107,7 +107,8 @@ class StreamingFilterGuide(StreamingFamily):
         """Samples the model's last latent site from the marginal, then each earlier one backward.
 
         Args:
-            *args, **kwargs: the whole-trajectory model's arguments (as for any Pyro guide).
+            *args: the whole-trajectory model's positional arguments (as for any Pyro guide).
+            **kwargs: its keyword arguments.
 
         Returns:
             ``{site name: value (d,)}`` for every latent site of the model.

@@ -101,7 +101,7 @@ class OnlineVariationalFilter:
             or a :class:`~pyro_smc.regression.Regressor` (copied for the value and the score).
         num_regression_samples: samples per regression fit (and in the carried state batch).
         window: number of past backward kernels kept for lagged smoothing samples.
-        initialize: how each step's optimisation starts (:mod:`~pyro_smc.infer.online_init`).
+        initialize: how each step's optimisation starts (``pyro_smc.infer.online_init``).
             ``"laplace"``: ``q_t`` at the Laplace approximation of the model's one-step prediction
             from ``q_{t-1}`` times ``g(y_t | x_t)``, and the kernel at the linear regression of
             ``x_{t-1}`` on ``x_t`` under the prediction (both exact for linear-Gaussian models up
@@ -226,7 +226,8 @@ class OnlineVariationalFilter:
         Args:
             y: the observation. ``None`` or all-NaN is a missing measurement (a predict-only
                 step: no observed site is scored); partly NaN or with an ``inf`` is an error.
-            *args, **kwargs: ``model.step``'s further arguments.
+            *args: ``model.step``'s further positional arguments.
+            **kwargs: ``model.step``'s further keyword arguments.
 
         Returns:
             ``self``.
@@ -294,12 +295,12 @@ class OnlineVariationalFilter:
 
     @property
     def elbo(self) -> Tensor:
-        """The running ELBO: the same number as :attr:`log_evidence`."""
+        """The running ELBO, the same number as ``log_evidence``."""
         return self.log_evidence
 
     @property
     def elbo_increment(self) -> Tensor:
-        """The same number as :attr:`log_evidence_increment`."""
+        """The same number as ``log_evidence_increment``."""
         return self.log_evidence_increment
 
     def filtering_distribution(self):

@@ -76,7 +76,7 @@ class SMCELBO(ELBO):
     **kwargs)``: ``observations`` ``(T, ...)``, or ``(B, T, ...)`` with ``batched=True`` (any
     ``B``; the last minibatch may be smaller), and ``lengths`` ``(B,)`` as in
     :meth:`SMC.run <pyro_smc.SMC.run>`. ``svi.step(batch, lengths=lengths, batched=True)``
-    passes them through. :attr:`smc` is the last run, its ``log_evidence`` ``(B * num_filters,)``
+    passes them through. ``smc`` (an :class:`~pyro_smc.SMC`) is the last run, its ``log_evidence`` ``(B * num_filters,)``
     ordered sequence by sequence (``reshape(B, num_filters)``).
     See ``docs/math/smc.md#batches-of-sequences``.
     """

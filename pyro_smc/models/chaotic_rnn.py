@@ -103,7 +103,7 @@ class ChaoticRNN(PyroModule):
 
     @property
     def dim(self) -> int:
-        """Deprecated name of :attr:`state_dim`."""
+        """Deprecated name of ``state_dim``."""
         warnings.warn("ChaoticRNN.dim is deprecated; use ChaoticRNN.state_dim", FutureWarning, stacklevel=2)
         return self.state_dim
 

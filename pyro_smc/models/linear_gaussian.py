@@ -178,7 +178,7 @@ class LinearGaussianSSM(PyroModule):
 
 
 class DiagonalLinearGaussianSSM(PyroModule):
-    """Linear-Gaussian model with learnable diagonal dynamics and emissions (``PyroParam``s).
+    """Linear-Gaussian model with learnable diagonal dynamics and emissions (``PyroParam`` attributes).
 
     ``x_1 ~ N(0, init_scale^2 I)``, ``x_t = diag(a) x_{t-1} + N(0, q^2 I)``, ``y_t = diag(c) x_t +
     N(0, r^2 I)``: the parameter-learning setting of Campbell et al. (2021, Figure 1b), ``2d``

@@ -133,7 +133,7 @@ class GaussianSmootherResult:
 
     @property
     def log_likelihood(self) -> Tensor | None:
-        """Deprecated name of :attr:`log_evidence`."""
+        """Deprecated name of ``log_evidence``."""
         _renamed("GaussianSmootherResult.log_likelihood", "GaussianSmootherResult.log_evidence")
         return self.log_evidence
 

@@ -5,16 +5,16 @@ See ``docs/math/smc.md#sinkhorn-in-the-log-domain`` and ``docs/math/smc.md#epsil
 The solver behind :func:`pyro_smc.ops.sinkhorn.sinkhorn` (whose docstring describes the
 algorithm and its gradients), cut into the stages of one solve:
 
-1. :func:`_anneal`: epsilon scaling, one symmetric averaged log-domain update per level;
-2. :func:`_start`: the log-stabilised kernel at the final epsilon, with the zero-mass masks
+1. ``_anneal``: epsilon scaling, one symmetric averaged log-domain update per level;
+2. ``_start``: the log-stabilised kernel at the final epsilon, with the zero-mass masks
    and the log-domain fallback when a row or column of the kernel underflows;
-3. :func:`_iteration`: one over-relaxed column-then-row update of the scalings;
-4. :func:`_needs_absorption` / :func:`_absorb`: the log-domain fallback when scalings overflow;
-5. :func:`_check_convergence`: the per-problem stopping rule;
-6. :func:`_compact` / :func:`_finish`: finished problems leave the working set; potentials
+3. ``_iteration``: one over-relaxed column-then-row update of the scalings;
+4. ``_needs_absorption`` / ``_absorb``: the log-domain fallback when scalings overflow;
+5. ``_check_convergence``: the per-problem stopping rule;
+6. ``_compact`` / ``_finish``: finished problems leave the working set; potentials
    are read off the scalings.
 
-:func:`_solve` runs them and returns a :class:`SinkhornResult`: the potentials and, as detached
+``_solve`` runs them and returns a :class:`SinkhornResult`: the potentials and, as detached
 per-problem diagnostics, whether each problem met the stopping rule, after how many iterations
 and with what marginal error. Code that calls a Sinkhorn-based op which returns something else
 (``ensemble_transform`` returns particles and a plan) reads the solves it ran with
@@ -180,7 +180,7 @@ def _annealing_step(cost: Tensor, a: Tensor, b: Tensor, f: Tensor, g: Tensor, ep
 
     With the previous potentials absorbed the kernel is O(1) near its row/column maxima, so one
     kernel-domain update per level is safe; ``log`` of an underflowed sum gives ``-inf``, which
-    :func:`_anneal` resets and the log-domain update of :func:`_start` repairs.
+    ``_anneal`` resets and the log-domain update of ``_start`` repairs.
     """
     kernel = torch.exp(_log_kernel(cost, f, g, eps))
     f_new = f - eps * torch.log(_rowsum(kernel, b))
@@ -325,7 +325,7 @@ def _check_convergence(w: _Working, err: Tensor, threshold: float) -> tuple[Tens
 @dataclass
 class _Finished:
     """Potentials and diagnostics over the whole batch; rows of problems still in the working
-    set (batch indices ``active``) are filled in by :func:`_finish`."""
+    set (batch indices ``active``) are filled in by ``_finish``."""
 
     active: Tensor
     f: Tensor
@@ -459,6 +459,6 @@ def _solve_loop(
     threshold: float,
     max_iter: int,
 ) -> tuple[Tensor, Tensor, int]:
-    """:func:`_solve` returning ``(f, g, iterations)``, the form the fused ops and tests use."""
+    """``_solve`` returning ``(f, g, iterations)``, the form the fused ops and tests use."""
     result, iters = _solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, stacklevel=4)
     return result.f, result.g, iters

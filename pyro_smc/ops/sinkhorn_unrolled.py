@@ -3,8 +3,8 @@ r"""Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under
 See ``docs/math/smc.md#gradient-modes``.
 
 Autograd differentiates the returned iterate through every iteration. The kernel-domain loop of
-:mod:`pyro_smc.ops.sinkhorn_solver` cannot be unrolled safely (see :func:`_unrolled_log_loop`),
-so this mode runs its own loop on exact c-transforms, each a :class:`_SoftMin` that stores only
+:mod:`pyro_smc.ops.sinkhorn_solver` cannot be unrolled safely (see ``_unrolled_log_loop``),
+so this mode runs its own loop on exact c-transforms, each a ``_SoftMin`` that stores only
 vectors for the backward pass.
 
 Example:

@@ -1,0 +1,228 @@
+"""Sphinx configuration of the pyro_smc documentation.
+
+Build (offline; warnings are errors, every reference must resolve):
+
+    python -m sphinx -W --keep-going -n -b html docs docs/_build/html
+
+``tests/test_docs_build.py`` runs exactly this. Nothing is downloaded: the intersphinx inventories
+of Python, PyTorch and Pyro are stored in ``docs/_inventories`` (regenerate them with
+``python docs/_inventories/make_inventories.py``), and the tutorials are rendered from the outputs
+stored in the notebooks (no execution).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import shutil
+import sys
+
+DOCS = pathlib.Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(ROOT))  # the package from this checkout, installed or not
+
+import pyro_smc  # noqa: E402
+
+project = "pyro_smc"
+author = "pyro_smc contributors"
+copyright = "the pyro_smc contributors (Apache-2.0)"
+release = pyro_smc.__version__
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.mathjax",
+    "myst_nb",  # Markdown (MyST) pages and the tutorial notebooks
+]
+
+exclude_patterns = ["_build", "_inventories", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
+
+# --- MyST ----------------------------------------------------------------------------------------
+myst_enable_extensions = ["dollarmath", "amsmath"]
+# The maths pages link to headings by their GitHub-style slugs (docs/math/smc.md#missing-observations).
+myst_heading_anchors = 4
+
+# --- notebooks: rendered from their stored outputs, never executed ----------------------------
+# The tutorials live in the repository's tutorials/ folder; Sphinx reads only files under docs/,
+# so each build copies them to docs/tutorials/ (git-ignored; a copy is rewritten only when its
+# notebook changed, and a copy whose notebook is gone is removed).
+_NOTEBOOKS = {nb.name: nb for nb in sorted((ROOT / "tutorials").glob("*.ipynb"))}
+for _copy in (DOCS / "tutorials").glob("*.ipynb"):
+    if _copy.name not in _NOTEBOOKS:
+        _copy.unlink()
+for _name, _nb in _NOTEBOOKS.items():
+    _copy = DOCS / "tutorials" / _name
+    if not _copy.exists() or _copy.read_bytes() != _nb.read_bytes():
+        shutil.copyfile(_nb, _copy)
+nb_execution_mode = "off"
+nb_merge_streams = True
+# The tutorial notebooks (not edited from here) put H3 headings under their H1 title.
+suppress_warnings = ["myst.header"]
+
+# --- autodoc -------------------------------------------------------------------------------------
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+# Defaults as written in the source (init_loc_fn=init_to_median, not a function repr that breaks
+# the signature parser).
+autodoc_preserve_defaults = True
+autodoc_default_options = {"members": True, "show-inheritance": True}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+# "Attributes:" sections become field lists, not a second description of each dataclass field.
+napoleon_use_ivar = True
+# Package docstrings list their modules under "Modules:", formatted like "Args:".
+napoleon_custom_sections = [("Modules", "params_style")]
+
+# --- intersphinx: local inventories, the build machine is offline -------------------------------
+_INV = DOCS / "_inventories"
+intersphinx_mapping = {
+    "python": ("https://docs.python.org/3", str(_INV / "python.inv")),
+    "torch": ("https://pytorch.org/docs/stable", str(_INV / "torch.inv")),
+    "pyro": ("https://docs.pyro.ai/en/stable", str(_INV / "pyro.inv")),
+}
+intersphinx_timeout = 1
+
+# --- HTML ----------------------------------------------------------------------------------------
+html_theme = "furo"
+html_title = f"pyro_smc {release}"
+html_static_path: list[str] = []
+
+# --- nitpicky mode -------------------------------------------------------------------------------
+nitpicky = True
+nitpick_ignore: list[tuple[str, str]] = []
+nitpick_ignore_regex: list[tuple[str, str]] = []
+
+
+# --- references to other names of a documented object --------------------------------------------
+# Every public object is documented once, under the name users import it by (pyro_smc.SMC,
+# pyro_smc.ops.results.FilterResult, ...), but docstrings and signatures may name it by its
+# defining module (pyro_smc.infer.smc.SMC), by another module that re-exports it
+# (pyro_smc.infer.SMC), or by a bare name that resolves in the docstring's own module. The
+# handler below imports what the reference names and, when it is an object documented under
+# another name, links there. ALIASES renames the few external spellings that signatures show
+# (``Tensor`` from ``from torch import Tensor``, torch's C-level Generator) to the names in the
+# inventories; the renamed reference then goes on to intersphinx.
+ALIASES = {
+    "Tensor": "torch.Tensor",
+    "Module": "torch.nn.Module",
+    "Size": "torch.Size",
+    "torch._C.Generator": "torch.Generator",
+    "ExpandedDistribution": "pyro.distributions.torch_distribution.ExpandedDistribution",
+}
+
+
+def _import(path: str):
+    """The object a dotted path names, or None."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _documented(env) -> dict[int, str]:
+    """``{id(object): documented name}`` over the Python objects this build documents."""
+    objects = env.get_domain("py").objects
+    cache = env.app.__dict__.setdefault("_pyro_smc_documented", {})
+    if cache.get("size") != len(objects):
+        ids = {}
+        for name, entry in objects.items():
+            if name.startswith("pyro_smc") and entry.objtype in {"module", "class", "exception", "function", "method", "property"}:
+                obj = _import(name)
+                if obj is not None:
+                    ids.setdefault(id(obj), name)
+        cache.update(size=len(objects), ids=ids)
+    return cache["ids"]
+
+
+def _missing_reference(app, env, node, contnode):
+    if node.get("refdomain") != "py":
+        return None
+    target = node["reftarget"]
+    if target in ALIASES:
+        node["reftarget"] = ALIASES[target]  # intersphinx, which runs next, resolves the new name
+        return None
+    module, cls = node.get("py:module"), node.get("py:class")
+    scopes = [target]
+    if module and cls:
+        scopes.append(f"{module}.{cls}.{target}")
+        owner = _import(f"{module}.{cls}")  # a bare name in a docstring resolves in its defining module
+        if getattr(owner, "__module__", None):
+            scopes.append(f"{owner.__module__}.{target}")
+    if module:
+        scopes.append(f"{module}.{target}")
+    documented = _documented(env)
+    for path in scopes:
+        if not path.startswith("pyro_smc"):
+            continue
+        obj = _import(path)
+        name = documented.get(id(obj)) if obj is not None else None
+        if name is not None:
+            py = env.get_domain("py")
+            for role in (node["reftype"], "obj"):
+                ref = py.resolve_xref(env, node["refdoc"], app.builder, role, name, node, contnode)
+                if ref is not None:
+                    return ref
+    return None
+
+
+# --- base classes --------------------------------------------------------------------------------
+# "Bases:" lines show public classes only: a private base (_IndexResampler) or a mixin from an
+# implementation module (SMC's ScoreFunctionMixin, whose methods are documented on SMC itself
+# through :inherited-members:) is replaced by its own bases.
+PUBLIC_MODULES = [
+    "pyro_smc",
+    "pyro_smc.infer",
+    "pyro_smc.resamplers",
+    "pyro_smc.models",
+    "pyro_smc.guides",
+    "pyro_smc.gp",
+    "pyro_smc.distributions",
+    "pyro_smc.regression",
+    "pyro_smc.arviz",
+    "pyro_smc.distributed",
+]
+
+
+def _public_ids() -> set[int]:
+    ids = set()
+    for name in PUBLIC_MODULES:
+        module = importlib.import_module(name)
+        ids.update(id(getattr(module, attr)) for attr in getattr(module, "__all__", []))
+    return ids
+
+
+def _public_bases(cls, public: set[int]) -> list:
+    if id(cls) in public or not cls.__module__.startswith("pyro_smc"):
+        return [cls]
+    if cls.__module__.startswith("pyro_smc.ops") and not cls.__name__.startswith("_"):
+        return [cls]  # documented on the pyro_smc.ops page
+    out = []
+    for base in cls.__bases__:
+        out.extend(b for b in _public_bases(base, public) if b not in out)
+    return out
+
+
+def _process_bases(app, name, obj, options, bases):
+    public = _public_ids()
+    new = []
+    for base in bases:
+        new.extend(b for b in _public_bases(base, public) if b not in new)
+    bases[:] = [b for b in new if b is not object] or [object]
+
+
+def setup(app):
+    app.connect("missing-reference", _missing_reference, priority=400)
+    app.connect("autodoc-process-bases", _process_bases)
