@@ -141,6 +141,7 @@ __all__ = [
     "implicit_adjoint",
 ]
 
+#: The ``gradient=`` modes of :func:`sinkhorn` and :class:`~pyro_smc.resamplers.OTResampler`.
 GRADIENT_MODES = ("implicit", "unroll", "last_step")
 
 # Above this many target points the adjoint system is solved by conjugate gradients
