@@ -132,10 +132,13 @@ def _import(path: str):
     return None
 
 
+_DOCUMENTED: dict[str, object] = {}
+
+
 def _documented(env) -> dict[int, str]:
     """``{id(object): documented name}`` over the Python objects this build documents."""
     objects = env.get_domain("py").objects
-    cache = env.app.__dict__.setdefault("_pyro_smc_documented", {})
+    cache = _DOCUMENTED
     if cache.get("size") != len(objects):
         ids = {}
         for name, entry in objects.items():
