@@ -100,6 +100,7 @@ CROSS_CUTTING = {
     "test_ci_script.py",
     "test_device.py",  # every engine on a --device
     "test_docs.py",
+    "test_lint.py",  # ruff over the whole repository
     "test_docs_build.py",  # the Sphinx build of docs/ and the docstring coverage of every public name
     "test_math_docs.py",
     "guides/test_autoguide_conformance.py",  # every guide against Pyro's AutoGuide contract
