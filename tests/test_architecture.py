@@ -101,6 +101,7 @@ CROSS_CUTTING = {
     "test_device.py",  # every engine on a --device
     "test_docs.py",
     "test_lint.py",  # ruff over the whole repository
+    "test_packaging.py",  # sdist and wheel build, install into a fresh environment
     "test_docs_build.py",  # the Sphinx build of docs/ and the docstring coverage of every public name
     "test_math_docs.py",
     "guides/test_autoguide_conformance.py",  # every guide against Pyro's AutoGuide contract
