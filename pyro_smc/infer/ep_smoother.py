@@ -88,6 +88,26 @@ class EPSmoother:
     An update whose cavity is not a proper Gaussian is skipped; one that would make the marginal
     improper is retried with the damping halved (up to three times) and then skipped. Both are
     counted in ``history[k].skipped``.
+
+    Raises:
+        ValueError: ``max_iter < 1``, ``damping`` or ``power`` outside ``(0, 1]``, ``tol <= 0``
+            or an unknown projection name.
+
+    Example:
+        On a linear-Gaussian model EP converges to the Kalman (RTS) smoother:
+
+        >>> import torch
+        >>> from pyro_smc import EPSmoother
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, dy)
+        >>> out = EPSmoother(ssm).smooth(ys)
+        >>> out.means.shape, out.covariances.shape                    # (T, d), (T, d, d)
+        (torch.Size([5, 1]), torch.Size([5, 1, 1]))
+        >>> out.converged, torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
+        (True, True)
     """
 
     def __init__(

@@ -191,6 +191,27 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         log_evidence_increments: ``(T, B)`` per-step terms of ``log_evidence``.
         result: all of the above as a typed :class:`~pyro_smc.ops.results.SMCResult`, plus
             whether each step's optimal-transport solve converged (``resampler_converged``).
+
+    Raises:
+        TypeError: ``num_particles`` is not given.
+        ValueError: a count, ``max_plate_nesting`` or ``ess_threshold`` is out of range, the
+            model or guide lacks ``init``/``step``, or the resampler is not callable.
+
+    Example:
+        The log-evidence estimate lies near the exact Kalman value ``log p(y_{1:T})``:
+
+        >>> import torch
+        >>> from pyro_smc import SMC
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(2)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2), eye)
+        >>> _, ys = ssm.simulate(10)                            # ys: (T, dy)
+        >>> smc = SMC(ssm, num_particles=200).run(ys)
+        >>> smc.log_evidence.shape, smc.log_weights.shape       # (B,), (B, N)
+        (torch.Size([1]), torch.Size([1, 200]))
+        >>> bool(abs(smc.log_evidence - ssm.log_evidence(ys)) < 1.5)
+        True
     """
 
     def __init__(

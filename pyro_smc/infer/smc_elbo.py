@@ -79,6 +79,29 @@ class SMCELBO(ELBO):
     passes them through. ``smc`` (an :class:`~pyro_smc.SMC`) is the last run, its ``log_evidence`` ``(B * num_filters,)``
     ordered sequence by sequence (``reshape(B, num_filters)``).
     See ``docs/math/smc.md#batches-of-sequences``.
+
+    Returns:
+        ``loss`` returns a float and ``differentiable_loss`` a scalar tensor (shape ``()``).
+
+    Raises:
+        ValueError: ``num_sequences`` is not a positive integer or ``None``, an argument the
+            filter checks is invalid, or (at loss time) ``batched=True`` observations are not
+            ``(B, T, ...)``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc import SMCELBO
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                              # (T, dy)
+        >>> elbo = SMCELBO(num_particles=20, num_filters=3)
+        >>> loss = elbo.differentiable_loss(ssm, None, ys)
+        >>> loss.shape, elbo.smc.log_evidence.shape              # (), (num_filters,)
+        (torch.Size([]), torch.Size([3]))
+        >>> bool(torch.isclose(loss, -elbo.smc.log_evidence.mean()))
+        True
     """
 
     def __init__(
