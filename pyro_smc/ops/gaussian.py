@@ -37,7 +37,18 @@ __all__ = [
 
 
 def symmetrize(m: Tensor) -> Tensor:
-    """``(M + M^T) / 2`` over the last two dims."""
+    """``(M + M^T) / 2`` over the last two dims.
+
+    Args:
+        m: ``(..., d, d)``.
+
+    Returns:
+        ``(..., d, d)``: the symmetric part of ``m``.
+
+    Example:
+        >>> symmetrize(torch.tensor([[1.0, 2.0], [0.0, 1.0]])).tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+    """
     return (m + m.transpose(-1, -2)) / 2
 
 
@@ -57,6 +68,14 @@ def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
     Returns:
         ``(eta (..., d), precision (..., d, d))``.
+
+    Raises:
+        ValueError: if ``cov`` is not positive definite.
+
+    Example:
+        >>> eta, prec = to_natural(torch.tensor([1.0, 2.0]), torch.diag(torch.tensor([2.0, 4.0])))
+        >>> [round(v, 4) for v in eta.tolist() + prec.diagonal().tolist()]
+        [0.5, 0.5, 0.5, 0.25]
     """
     chol = _cholesky("cov", cov)
     eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device).expand_as(cov)
@@ -65,7 +84,23 @@ def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def to_moment(eta: Tensor, prec: Tensor) -> tuple[Tensor, Tensor]:
-    """``(eta, Lambda) -> (Lambda^{-1} eta, Lambda^{-1})``; ``Lambda`` must be positive definite."""
+    """``(eta, Lambda) -> (Lambda^{-1} eta, Lambda^{-1})``; ``Lambda`` must be positive definite.
+
+    Args:
+        eta: ``(..., d)``.
+        prec: positive-definite precision ``(..., d, d)``.
+
+    Returns:
+        ``(mean (..., d), cov (..., d, d))``.
+
+    Raises:
+        ValueError: if ``prec`` is not positive definite.
+
+    Example:
+        >>> mean, cov = to_moment(torch.tensor([0.5, 0.5]), torch.diag(torch.tensor([0.5, 0.25])))
+        >>> [round(v, 4) for v in mean.tolist() + cov.diagonal().tolist()]
+        [1.0, 2.0, 2.0, 4.0]
+    """
     chol = _cholesky("prec", prec)
     eye = torch.eye(prec.shape[-1], dtype=prec.dtype, device=prec.device).expand_as(prec)
     cov = symmetrize(torch.cholesky_solve(eye, chol))
@@ -73,7 +108,21 @@ def to_moment(eta: Tensor, prec: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def multiply(*factors: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Product of Gaussian densities in natural form (up to normalisation): parameters add."""
+    """Product of Gaussian densities in natural form (up to normalisation): parameters add.
+
+    Args:
+        *factors: ``(eta (..., d), prec (..., d, d))`` pairs; batch dims broadcast.
+
+    Returns:
+        ``(eta, prec)`` of the product, shapes ``(..., d)`` and ``(..., d, d)``.
+
+    Example:
+        >>> a = (torch.tensor([1.0]), torch.tensor([[1.0]]))
+        >>> b = (torch.tensor([3.0]), torch.tensor([[2.0]]))
+        >>> mean, var = to_moment(*multiply(a, b))  # N(1, 1) N(1.5, 0.5)
+        >>> round(float(mean), 4), round(float(var), 4)
+        (1.3333, 0.3333)
+    """
     eta = sum(f[0] for f in factors)
     prec = sum(f[1] for f in factors)
     return eta, prec
@@ -83,6 +132,21 @@ def divide(numerator: tuple[Tensor, Tensor], denominator: tuple[Tensor, Tensor],
     """``q / q_i^power`` in natural form: parameters subtract (the EP cavity).
 
     See ``docs/math/ep.md#cavity-and-tilted-distribution`` and ``docs/math/ep.md#power-ep``.
+
+    Args:
+        numerator: ``(eta (..., d), prec (..., d, d))``.
+        denominator: ``(eta (..., d), prec (..., d, d))``.
+        power: the exponent of the denominator (``1`` for plain EP).
+
+    Returns:
+        ``(eta, prec)`` of the quotient, possibly improper (check with :func:`is_proper`).
+
+    Example:
+        >>> q = (torch.tensor([4.0]), torch.tensor([[3.0]]))
+        >>> site = (torch.tensor([3.0]), torch.tensor([[2.0]]))
+        >>> eta, prec = divide(q, site)
+        >>> eta.tolist(), prec.tolist()
+        ([1.0], [[1.0]])
     """
     return numerator[0] - power * denominator[0], numerator[1] - power * denominator[1]
 
@@ -91,6 +155,21 @@ def damp(old: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor], gamma: float) -
     """``(1 - gamma) old + gamma new`` on the natural parameters; ``gamma = 1`` is no damping.
 
     See ``docs/math/ep.md#damping``.
+
+    Args:
+        old: ``(eta (..., d), prec (..., d, d))``.
+        new: ``(eta (..., d), prec (..., d, d))``.
+        gamma: step size in ``(0, 1]``.
+
+    Returns:
+        ``(eta, prec)``, the convex combination; ``new`` itself when ``gamma == 1``.
+
+    Example:
+        >>> old = (torch.tensor([0.0]), torch.tensor([[1.0]]))
+        >>> new = (torch.tensor([2.0]), torch.tensor([[3.0]]))
+        >>> eta, prec = damp(old, new, 0.5)
+        >>> eta.tolist(), prec.tolist()
+        ([1.0], [[2.0]])
     """
     if gamma == 1.0:
         return new
@@ -98,7 +177,18 @@ def damp(old: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor], gamma: float) -
 
 
 def is_proper(prec: Tensor) -> Tensor:
-    """Whether each precision matrix is (numerically) positive definite; shape ``prec.shape[:-2]``."""
+    """Whether each precision matrix is (numerically) positive definite.
+
+    Args:
+        prec: ``(..., d, d)``; its symmetric part is tested.
+
+    Returns:
+        bool ``(...)``: ``True`` where the Cholesky factorisation succeeds.
+
+    Example:
+        >>> is_proper(torch.stack([torch.eye(2), torch.diag(torch.tensor([1.0, 0.0]))])).tolist()
+        [True, False]
+    """
     _, info = torch.linalg.cholesky_ex(symmetrize(prec))
     return info == 0
 
@@ -110,6 +200,20 @@ def check_psd(name: str, matrix: Tensor, strict: bool = True) -> None:
         name: argument name for the message.
         matrix: ``(..., d, d)``.
         strict: require positive definite (Cholesky succeeds) rather than semi-definite.
+
+    Returns:
+        ``None``.
+
+    Raises:
+        ValueError: if ``matrix`` is not square, has non-finite entries, is not symmetric, or is not
+            positive (semi-)definite.
+
+    Example:
+        >>> check_psd("Q", torch.diag(torch.tensor([1.0, 0.0])), strict=False)
+        >>> check_psd("Q", torch.diag(torch.tensor([1.0, 0.0])))
+        Traceback (most recent call last):
+            ...
+        ValueError: Q must be positive definite (its Cholesky factorisation failed)
     """
     if matrix.dim() < 2 or matrix.shape[-1] != matrix.shape[-2]:
         raise ValueError(f"{name} must be a square matrix (..., d, d), got shape {tuple(matrix.shape)}")
@@ -128,7 +232,20 @@ def check_psd(name: str, matrix: Tensor, strict: bool = True) -> None:
 
 
 def psd_repair(matrix: Tensor, min_eig: float = 0.0) -> Tensor:
-    """The nearest symmetric matrix with eigenvalues ``>= min_eig`` (eigenvalue clipping)."""
+    """The nearest symmetric matrix with eigenvalues ``>= min_eig`` (eigenvalue clipping).
+
+    Args:
+        matrix: ``(..., d, d)``; its symmetric part is repaired.
+        min_eig: the smallest eigenvalue allowed.
+
+    Returns:
+        ``(..., d, d)`` symmetric, eigenvalues ``>= min_eig``.
+
+    Example:
+        >>> fixed = psd_repair(torch.tensor([[1.0, 2.0], [2.0, 1.0]]), min_eig=0.1)  # eigenvalues 3, -1
+        >>> [round(v, 4) for v in torch.linalg.eigvalsh(fixed).tolist()]
+        [0.1, 3.0]
+    """
     vals, vecs = torch.linalg.eigh(symmetrize(matrix))
     return symmetrize((vecs * vals.clamp_min(min_eig).unsqueeze(-2)) @ vecs.transpose(-1, -2))
 
@@ -145,6 +262,13 @@ def tril_from_vector(params: Tensor, size: int) -> Tensor:
 
     Returns:
         ``(..., n, n)`` lower-triangular with positive diagonal.
+
+    Raises:
+        ValueError: if the last dim of ``params`` is not ``size (size + 1) / 2``.
+
+    Example:
+        >>> tril_from_vector(torch.tensor([0.0, 2.0, 0.0]), 2).tolist()
+        [[1.0, 0.0], [2.0, 1.0]]
     """
     if params.dim() == 0 or params.shape[-1] != size * (size + 1) // 2:
         raise ValueError(f"params must have last dim size (size + 1) / 2 = {size * (size + 1) // 2} for size {size}, got shape {tuple(params.shape)}")
@@ -155,7 +279,21 @@ def tril_from_vector(params: Tensor, size: int) -> Tensor:
 
 
 def tril_to_vector(scale_tril: Tensor) -> Tensor:
-    """The inverse of :func:`tril_from_vector`: ``(..., n, n)`` -> ``(..., n (n + 1) / 2)``."""
+    """The inverse of :func:`tril_from_vector`: ``(..., n, n)`` -> ``(..., n (n + 1) / 2)``.
+
+    Args:
+        scale_tril: ``(..., n, n)`` lower triangular with positive diagonal.
+
+    Returns:
+        ``(..., n (n + 1) / 2)``: the lower triangle row by row, logs on the diagonal.
+
+    Raises:
+        ValueError: if a diagonal entry is not positive.
+
+    Example:
+        >>> tril_to_vector(torch.tensor([[1.0, 0.0], [2.0, 1.0]])).tolist()
+        [0.0, 2.0, 0.0]
+    """
     n = scale_tril.shape[-1]
     if not bool((scale_tril.detach().diagonal(dim1=-2, dim2=-1) > 0).all()):
         raise ValueError("scale_tril must have a positive diagonal")
