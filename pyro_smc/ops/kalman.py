@@ -44,15 +44,49 @@ def _symmetrize(m: Tensor) -> Tensor:
 
 
 def predict(mean: Tensor, cov: Tensor, A: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
-    """``p(x_t | y_{1:t-1})`` from ``p(x_{t-1} | y_{1:t-1})``: ``(A m, A P A^T + Q)``."""
+    """``p(x_t | y_{1:t-1})`` from ``p(x_{t-1} | y_{1:t-1})``: ``(A m, A P A^T + Q)``.
+
+    Args:
+        mean: ``(..., d)`` filtered mean at ``t - 1``.
+        cov: ``(..., d, d)`` filtered covariance at ``t - 1``.
+        A: ``(..., d, d)`` transition matrix.
+        Q: ``(..., d, d)`` process-noise covariance.
+
+    Returns:
+        ``(mean (..., d), cov (..., d, d))`` of the prediction.
+
+    Example:
+        >>> m, P = predict(torch.tensor([1.0]), torch.tensor([[2.0]]), torch.tensor([[0.5]]), torch.tensor([[1.0]]))
+        >>> m.tolist(), P.tolist()  # (0.5 * 1, 0.25 * 2 + 1)
+        ([0.5], [[1.5]])
+    """
     return _mv(A, mean), _symmetrize(A @ cov @ A.transpose(-1, -2) + Q)
 
 
 def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Conditions ``N(mean, cov)`` on ``y = C x + v``.
 
+    Args:
+        mean: ``(..., d)`` predicted mean.
+        cov: ``(..., d, d)`` predicted covariance.
+        y: ``(..., dy)`` observation (all entries observed).
+        C: ``(..., dy, d)`` observation matrix.
+        R: ``(..., dy, dy)`` observation-noise covariance.
+
     Returns:
-        ``(mean, cov, log_lik)`` with ``log_lik = log N(y | C mean, C cov C^T + R)``.
+        ``(mean (..., d), cov (..., d, d), log_lik (...))`` with
+        ``log_lik = log N(y | C mean, C cov C^T + R)``.
+
+    Raises:
+        torch.linalg.LinAlgError: if ``C cov C^T + R`` is not positive definite.
+
+    Example:
+        >>> one = torch.tensor([[1.0]])
+        >>> m, P, ll = update(torch.tensor([0.0]), one, torch.tensor([2.0]), one, one)
+        >>> m.tolist(), P.tolist()  # gain 1 / 2
+        ([1.0], [[0.5]])
+        >>> bool(torch.isclose(ll, torch.distributions.Normal(0.0, 2 ** 0.5).log_prob(torch.tensor(2.0))))
+        True
     """
     S = _symmetrize(C @ cov @ C.transpose(-1, -2) + R)
     L = torch.linalg.cholesky(S)
@@ -74,6 +108,26 @@ def masked_update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor, ob
     ``y_i = 0``: its innovation is independent of ``x`` and of the observed entries, so it leaves the
     state alone and adds exactly ``log N(0 | 0, 1)``, which is taken off again. This keeps the shapes
     (and any batch dims) fixed, so the observed set may differ across batch members.
+
+    Args:
+        mean: ``(..., d)``.
+        cov: ``(..., d, d)``.
+        y: ``(..., dy)``; entries where ``observed`` is false are ignored (may be NaN).
+        C: ``(..., dy, d)``.
+        R: ``(..., dy, dy)``.
+        observed: bool ``(..., dy)``.
+
+    Returns:
+        ``(mean (..., d), cov (..., d, d), log_lik (...))`` as :func:`update` on the observed
+        entries; ``log_lik`` is exactly 0 where nothing is observed.
+
+    Example:
+        >>> eye = torch.eye(2)
+        >>> y = torch.tensor([1.0, float("nan")])
+        >>> m, P, ll = masked_update(torch.zeros(2), eye, y, eye, eye, ~y.isnan())
+        >>> m1, P1, ll1 = update(torch.zeros(1), eye[:1, :1], y[:1], eye[:1, :1], eye[:1, :1])
+        >>> [round(v, 4) for v in m.tolist() + P.diagonal().tolist()], bool(torch.isclose(ll, ll1))
+        ([0.5, 0.0, 0.5, 1.0], True)
     """
     obs = observed.to(C.dtype)
     C = C * obs.unsqueeze(-1)
@@ -103,7 +157,23 @@ def smooth_step(
 ) -> tuple[Tensor, Tensor]:
     """One RTS step: ``p(x_t | y_{1:T})`` from the filter at ``t`` and the smoother at ``t+1``.
 
-    ``pred_mean, pred_cov`` are the one-step predictions of ``x_{t+1}`` from the filter at ``t``.
+    Args:
+        filt_mean: ``(..., d)`` filtered mean at ``t``.
+        filt_cov: ``(..., d, d)`` filtered covariance at ``t``.
+        pred_mean: ``(..., d)`` prediction of ``x_{t+1}`` from the filter at ``t``.
+        pred_cov: ``(..., d, d)`` its covariance.
+        next_mean: ``(..., d)`` smoothed mean at ``t + 1``.
+        next_cov: ``(..., d, d)`` smoothed covariance at ``t + 1``.
+        A: ``(..., d, d)`` transition matrix.
+
+    Returns:
+        ``(mean (..., d), cov (..., d, d))`` of ``p(x_t | y_{1:T})``.
+
+    Example:
+        >>> one = torch.tensor([[1.0]])
+        >>> m, P = smooth_step(torch.tensor([0.0]), one, torch.tensor([0.0]), 2 * one, torch.tensor([1.0]), one, one)
+        >>> m.tolist(), P.tolist()  # gain 1 / 2: 0 + 1 / 2, 1 + (1 - 2) / 4
+        ([0.5], [[0.75]])
     """
     # G = P_t A^T P_pred^{-1}
     gain = torch.linalg.solve(pred_cov, A @ filt_cov).transpose(-1, -2)
@@ -120,6 +190,29 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
 
     ``init_mean, init_cov`` are the prior of ``x_1`` (the state of the first observation). NaN
     entries of ``ys`` are missing (see the module docstring); ``inf`` raises ``ValueError``.
+
+    Args:
+        ys: ``(T, dy)`` observations, NaN where missing.
+        A: ``(*batch, d, d)`` transition matrix.
+        Q: ``(*batch, d, d)`` process-noise covariance.
+        C: ``(*batch, dy, d)`` observation matrix.
+        R: ``(*batch, dy, dy)`` observation-noise covariance.
+        init_mean: ``(*batch, d)`` prior mean of ``x_1``.
+        init_cov: ``(*batch, d, d)`` prior covariance of ``x_1``.
+
+    Returns:
+        ``FilterResult`` with ``means (T, *batch, d)``, ``covariances (T, *batch, d, d)``, the
+        predictions of the same shapes and ``log_evidence_increments (T, *batch)``.
+
+    Raises:
+        ValueError: if ``ys`` contains ``inf``.
+
+    Example:
+        >>> one = torch.tensor([[1.0]])
+        >>> out = kalman_filter(torch.tensor([[2.0]]), one, one, one, one, torch.zeros(1), one)
+        >>> exact = torch.distributions.Normal(0.0, 2 ** 0.5).log_prob(torch.tensor(2.0))
+        >>> out.means.tolist(), bool(torch.isclose(out.log_evidence, exact))
+        ([[1.0]], True)
     """
     observed = check_ys(ys)
     means, covs, pmeans, pcovs, lls = [], [], [], [], []
@@ -140,7 +233,23 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
 
 
 def rts_smoother(filtered: FilterResult, A: Tensor) -> SmootherResult:
-    """Rauch-Tung-Striebel smoother over a :class:`FilterResult`; carries its ``log_evidence``."""
+    """Rauch-Tung-Striebel smoother over a ``FilterResult``; carries its ``log_evidence``.
+
+    Args:
+        filtered: the output of :func:`kalman_filter` over ``T`` steps.
+        A: ``(*batch, d, d)`` transition matrix used by the filter.
+
+    Returns:
+        ``SmootherResult`` with ``means (T, *batch, d)`` and ``covariances (T, *batch, d, d)``.
+
+    Example:
+        >>> one = torch.tensor([[1.0]])
+        >>> ys = torch.tensor([[0.0], [2.0]])
+        >>> out = rts_smoother(kalman_filter(ys, one, one, one, one, torch.zeros(1), one), one)
+        >>> y = torch.distributions.MultivariateNormal(torch.zeros(2), torch.tensor([[2.0, 1.0], [1.0, 3.0]]))
+        >>> [round(v, 4) for v in out.means.squeeze(-1).tolist()], bool(torch.isclose(out.log_evidence, y.log_prob(ys.squeeze(-1))))
+        ([0.4, 1.2], True)
+    """
     T = filtered.means.shape[0]
     m, P = filtered.means[-1], filtered.covariances[-1]
     means, covs = [m], [P]
