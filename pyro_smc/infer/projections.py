@@ -59,6 +59,18 @@ class Projection:
 
     Subclasses implement :meth:`map_moments`; :meth:`for_factor` lets a projection use different
     settings for the transition and the observation (the default: the same object for both).
+
+    Example:
+        A projection that knows the exact moments of the linear map ``fn(x, t) = 2 x``:
+
+        >>> import torch
+        >>> from pyro_smc.infer import Projection
+        >>> class Doubling(Projection):
+        ...     def map_moments(self, fn, mean, cov, t):
+        ...         return 2 * mean, 4 * cov, 2 * cov          # mu (e,), S (e, e), C (d, e)
+        >>> mu, S, C = Doubling().moments(None, torch.zeros(1), torch.eye(1), 0, noise_cov=torch.eye(1))
+        >>> S                                                  # 4 P + noise
+        tensor([[5.]])
     """
 
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -95,7 +107,20 @@ class Projection:
 
 
 class Linearization(Projection):
-    """First-order Taylor expansion at the mean (EKF/EKS; GP-EKF/GP-EKS for a GP)."""
+    """First-order Taylor expansion at the mean (EKF/EKS; GP-EKF/GP-EKS for a GP).
+
+    ``map_moments`` returns ``mu = f(m)`` ``(e,)``, ``S = J P J^T`` ``(e, e)`` (plus the GP
+    variance at ``m``) and ``C = P J^T`` ``(d, e)``, with ``J = df/dx`` at ``m`` by autograd.
+
+    Example:
+        For ``f(x) = x^2`` at ``m = 1`` the Jacobian is 2, so ``S = 4 P``:
+
+        >>> import torch
+        >>> from pyro_smc.infer import Linearization
+        >>> mu, S, C = Linearization().map_moments(lambda x, t: x**2, torch.ones(1), 0.5 * torch.eye(1), 0)
+        >>> mu.item(), S.item(), C.item()
+        (1.0, 2.0, 1.0)
+    """
 
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
         if is_gp(fn):
@@ -117,6 +142,23 @@ class Unscented(Projection):
         transition, observation: dicts of ``alpha``/``beta``/``kappa`` that override the shared
             settings for that factor (Kamthe et al. use ``kappa = 3`` for the dynamics and
             ``kappa = 2`` for the measurement).
+
+    ``map_moments`` returns ``mu (e,)``, ``S (e, e)`` and ``C (d, e)`` from the sigma points.
+
+    Raises:
+        ValueError: a per-factor dict has a key other than ``alpha``, ``beta`` or ``kappa``.
+
+    Example:
+        The transform is exact for a linear map, and ``for_factor`` applies the overrides:
+
+        >>> import torch
+        >>> from pyro_smc.infer import Unscented
+        >>> ut = Unscented(kappa=3.0, observation=dict(kappa=2.0))
+        >>> mu, S, C = ut.map_moments(lambda x, t: 2 * x, torch.zeros(2), torch.eye(2), 0)
+        >>> torch.allclose(S, 4 * torch.eye(2)), torch.allclose(C, 2 * torch.eye(2))
+        (True, True)
+        >>> ut.for_factor("observation")
+        Unscented(kappa=2.0)
     """
 
     def __init__(
@@ -157,7 +199,25 @@ class Unscented(Projection):
 
 class MomentMatching(Projection):
     """Exact moments of a GP at a Gaussian input (GP-ADF/GP-RTSS); ``fallback`` (default
-    :class:`Unscented`) for a plain callable, which has no exact moments."""
+    :class:`Unscented`) for a plain callable, which has no exact moments.
+
+    Args:
+        fallback: the projection used for a callable that is not a GP posterior.
+
+    ``map_moments`` returns ``mu (e,)``, ``S (e, e)`` and ``C (d, e)``.
+
+    Example:
+        A plain callable gets the fallback's moments:
+
+        >>> import torch
+        >>> from pyro_smc.infer import MomentMatching, Unscented
+        >>> args = (lambda x, t: torch.sin(x), torch.zeros(1), torch.eye(1), 0)
+        >>> mm = MomentMatching()
+        >>> mm
+        MomentMatching(fallback=Unscented())
+        >>> all(torch.equal(a, b) for a, b in zip(mm.map_moments(*args), Unscented().map_moments(*args)))
+        True
+    """
 
     def __init__(self, fallback: Projection | None = None):
         self.fallback = Unscented() if fallback is None else fallback
