@@ -56,7 +56,24 @@ class SMCFailedError(SMCFailed):
     """Every particle of a filter has zero weight (or the weights are NaN).
 
     A ``ValueError`` (through ``pyro.infer.smcfilter.SMCFailed``), so code that catches Pyro's
-    exception catches this one too.
+    exception catches this one too. :meth:`SMC.run <pyro_smc.SMC.run>` raises it with the time
+    step and the site at which the weights collapsed.
+
+    Example:
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro_smc import SMC
+        >>> from pyro_smc.infer import SMCFailedError
+        >>> class Impossible:
+        ...     def init(self, state):
+        ...         pass
+        ...     def step(self, state, y=None):
+        ...         state["x"] = pyro.sample("x", dist.Normal(0.0, 1.0))
+        ...         pyro.factor("never", torch.tensor(float("-inf")))
+        >>> try:
+        ...     SMC(Impossible(), num_particles=4).run(torch.zeros(2))
+        ... except SMCFailedError as error:
+        ...     print(isinstance(error, ValueError), "time step 0" in str(error))
+        True True
     """
 
 
