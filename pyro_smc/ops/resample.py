@@ -42,6 +42,11 @@ def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> Tensor:
 
     Returns:
         Indices ``(..., M)`` of the first particle whose cumulative weight exceeds each point.
+
+    Example:
+        >>> lw = torch.tensor([0.25, 0.5, 0.25]).log()
+        >>> inverse_cdf(lw, torch.tensor([0.0, 0.3, 0.74, 0.8])).tolist()
+        [0, 1, 1, 2]
     """
     cdf = torch.cumsum(torch.exp(log_weights), dim=-1)
     # The last cumulative weight can round below 1; clamp so no index falls off the end.
@@ -58,6 +63,15 @@ def multinomial(log_weights: Tensor, generator: torch.Generator | None = None) -
 
     Returns:
         Ancestor indices, shape ``(..., N)``.
+
+    Raises:
+        ValueError: as ``check_log_weights``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> idx = multinomial(torch.tensor([[0.0, -float("inf")], [-float("inf"), 0.0]]), generator=g)
+        >>> idx.tolist()  # each row has one particle of positive weight
+        [[0, 0], [1, 1]]
     """
     check_log_weights(log_weights)
     n = log_weights.shape[-1]
@@ -75,6 +89,17 @@ def stratified(log_weights: Tensor, generator: torch.Generator | None = None) ->
 
     Returns:
         Ancestor indices, shape ``(..., N)``.
+
+    Raises:
+        ValueError: as ``check_log_weights``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> lw = torch.tensor([0.5, 0.25, 0.25, 0.0]).log()
+        >>> stratified(lw, generator=g).tolist()  # the cumulative weights fall on the strata edges
+        [0, 0, 1, 2]
+        >>> stratified(lw.expand(5, 4), generator=g).shape
+        torch.Size([5, 4])
     """
     check_log_weights(log_weights)
     lw = log_weights.detach()
@@ -97,6 +122,15 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
 
     Returns:
         Ancestor indices, shape ``(..., N)``.
+
+    Raises:
+        ValueError: as ``check_log_weights``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> idx = systematic(torch.tensor([0.5, 0.25, 0.25, 0.0]).log(), generator=g)
+        >>> torch.bincount(idx, minlength=4).tolist()  # exactly N w_j copies when N w_j is whole
+        [2, 1, 1, 0]
     """
     check_log_weights(log_weights)
     lw = log_weights.detach()

@@ -28,6 +28,16 @@ def all_finite(values: Tensor) -> bool:
     ``torch.isfinite`` is several kernels on the CPU; on the hot path of a filter the sum is
     enough: it is finite exactly when every entry is, unless finite entries overflow, in which case
     the exact check decides.
+
+    Args:
+        values: any shape.
+
+    Returns:
+        ``bool``: ``True`` for an empty tensor.
+
+    Example:
+        >>> all_finite(torch.tensor([3e38, 3e38])), all_finite(torch.tensor([0.0, float("nan")]))
+        (True, False)
     """
     if values.numel() == 0:
         return True
@@ -37,8 +47,28 @@ def all_finite(values: Tensor) -> bool:
 
 
 def check_log_weights(log_weights: Tensor, name: str = "log_weights") -> None:
-    """Raises ``ValueError`` unless ``log_weights`` ``(..., N)`` has ``N >= 1`` entries, no NaN or
-    ``+inf``, and at least one finite entry in every row (an all ``-inf`` row has no normalisation)."""
+    """Validates log-weights: ``N >= 1``, no NaN or ``+inf``, a finite entry in every row.
+
+    An all ``-inf`` row has no normalisation, so it is an error too.
+
+    Args:
+        log_weights: ``(..., N)``.
+        name: argument name for the message.
+
+    Returns:
+        ``None``.
+
+    Raises:
+        ValueError: if ``log_weights`` is not a tensor of shape ``(..., N)`` with ``N >= 1``, has a
+            NaN or ``+inf``, or has a row that is all ``-inf``.
+
+    Example:
+        >>> check_log_weights(torch.tensor([0.0, -float("inf")]))
+        >>> check_log_weights(torch.full((2, 3), -float("inf")), name="lw")
+        Traceback (most recent call last):
+            ...
+        ValueError: lw has a row whose weights are all zero (all -inf)
+    """
     if not isinstance(log_weights, Tensor) or log_weights.dim() == 0:
         raise ValueError(f"{name} must be a tensor of shape (..., N), got {tuple(getattr(log_weights, 'shape', ()))}")
     if log_weights.shape[-1] == 0:
@@ -63,6 +93,14 @@ def normalize(log_weights: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         ``(log_w, log_sum)``: normalised log-weights ``(..., N)`` with ``logsumexp(log_w) = 0``
         and ``log_sum = logsumexp(log_weights)`` of shape ``(...)``.
+
+    Raises:
+        ValueError: as :func:`check_log_weights`.
+
+    Example:
+        >>> log_w, log_sum = normalize(torch.tensor([1.0, 3.0]).log())
+        >>> [round(v, 4) for v in log_w.exp().tolist()], round(float(log_sum.exp()), 4)
+        ([0.25, 0.75], 4.0)
     """
     check_log_weights(log_weights)
     log_sum = torch.logsumexp(log_weights, dim=-1)
@@ -79,6 +117,10 @@ def ess(log_weights: Tensor) -> Tensor:
 
     Returns:
         ESS in ``[1, N]``, shape ``(...)``.
+
+    Example:
+        >>> round(float(ess(torch.tensor([0.5, 0.5, 0.0, 0.0]).log())), 4)
+        2.0
     """
     # (sum w)^2 / sum w^2 equals 1 / sum w^2 for normalised weights, and is unchanged by a common
     # factor, so the rounding error of the normalisation (a shared offset of the log-weights,
@@ -89,5 +131,19 @@ def ess(log_weights: Tensor) -> Tensor:
 
 
 def log_mean_exp(log_values: Tensor, dim: int = -1) -> Tensor:
-    """``log(mean(exp(log_values)))`` along ``dim``, computed stably."""
+    """``log(mean(exp(log_values)))`` along ``dim``, computed stably.
+
+    Args:
+        log_values: any shape with ``log_values.shape[dim] >= 1``.
+        dim: the dimension to average over.
+
+    Returns:
+        ``log_values.shape`` without ``dim``.
+
+    Example:
+        >>> round(float(log_mean_exp(torch.tensor([1.0, 3.0]).log())), 4) == round(float(torch.tensor(2.0).log()), 4)
+        True
+        >>> log_mean_exp(torch.zeros(4, 5), dim=0).shape
+        torch.Size([5])
+    """
     return torch.logsumexp(log_values, dim=dim) - math.log(log_values.shape[dim])
