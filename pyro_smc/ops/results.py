@@ -58,6 +58,13 @@ class FilterResult(NamedTuple):
         predicted_means: ``(T, d)`` ``E[x_t | y_{1:t-1}]`` (the prior at ``t = 0``).
         predicted_covariances: ``(T, d, d)``.
         log_evidence_increments: ``(T,)`` ``log p(y_t | y_{1:t-1})``; 0 at steps without data.
+
+    Example:
+        >>> import torch
+        >>> z = torch.zeros(3, 1)
+        >>> out = FilterResult(z, z[..., None], z, z[..., None], torch.tensor([-1.0, -0.5, 0.0]))
+        >>> out.means.shape, float(out.log_evidence)
+        (torch.Size([3, 1]), -1.5)
     """
 
     means: Tensor
@@ -79,8 +86,19 @@ class FilterResult(NamedTuple):
 
 
 class SmootherResult(NamedTuple):
-    """RTS smoothing output: ``means (T, d)`` ``E[x_t | y_{1:T}]``, ``covariances (T, d, d)`` and
-    the filter's exact ``log_evidence`` (``None`` when built without one)."""
+    """RTS smoothing output: the marginals ``p(x_t | y_{1:T})`` and the filter's evidence.
+
+    Attributes:
+        means: ``(T, d)`` ``E[x_t | y_{1:T}]``.
+        covariances: ``(T, d, d)``.
+        log_evidence: scalar, the filter's exact ``log p(y_{1:T})``; ``None`` when built without one.
+
+    Example:
+        >>> import torch
+        >>> out = SmootherResult(torch.zeros(4, 2), torch.eye(2).expand(4, 2, 2))
+        >>> out.covariances.shape, out.log_evidence is None
+        (torch.Size([4, 2, 2]), True)
+    """
 
     means: Tensor
     covariances: Tensor
@@ -94,6 +112,11 @@ class EPIteration(NamedTuple):
         change: max abs change of the marginals' means and covariances (``inf`` on the first sweep).
         skipped: updates not applied because a cavity or the resulting marginal was not a proper
             Gaussian.
+
+    Example:
+        >>> sweep = EPIteration(change=0.01, skipped=0)
+        >>> sweep.change, sweep.skipped
+        (0.01, 0)
     """
 
     change: float
@@ -155,6 +178,14 @@ class SMCResult(NamedTuple):
         resampler_converged: ``(T, B)`` bool: whether the resampler's inner solve (Sinkhorn for
             optimal-transport resampling) converged at each step; ``True`` where nothing was
             solved. ``None`` for resamplers that solve nothing.
+
+    Example:
+        >>> import torch
+        >>> T, B = 3, 2
+        >>> inc = torch.full((T, B), -0.5)
+        >>> out = SMCResult(inc.sum(0), inc, {"x": torch.zeros(T, B)}, torch.full((T, B), 10.0), torch.zeros(T, B, dtype=torch.bool))
+        >>> out.log_evidence.tolist(), out.resampler_converged is None
+        ([-1.5, -1.5], True)
     """
 
     log_evidence: Tensor
@@ -173,6 +204,13 @@ class OnlineFilterResult(NamedTuple):
         log_evidence_increments: ``(T,)`` its per-step terms.
         means: ``(T, d)`` means of the filtering marginals ``q_t(x_t)``.
         covariances: ``(T, d, d)`` their covariances.
+
+    Example:
+        >>> import torch
+        >>> inc = torch.tensor([-1.0, -2.0])
+        >>> out = OnlineFilterResult(inc.sum(), inc, torch.zeros(2, 3), torch.eye(3).expand(2, 3, 3))
+        >>> float(out.log_evidence), out.means.shape
+        (-3.0, torch.Size([2, 3]))
     """
 
     log_evidence: Tensor
