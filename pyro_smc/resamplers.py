@@ -103,7 +103,23 @@ def _gather(particles: Particles, index: Tensor) -> Particles:
 
 
 class Resampler:
-    """Base class. Subclasses implement ``__call__(particles, log_weights)``."""
+    """Base class. Subclasses implement ``__call__(particles, log_weights)``.
+
+    ``__call__`` takes a dict of state tensors, each ``(..., N, *event)``, and normalised
+    log-weights ``(..., N)`` (leading dims: independent filters).
+
+    Returns:
+        ``(particles, log_weights)`` of the same shapes, the new log-weights normalised.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.resamplers import Resampler, SystematicResampler
+        >>> class KeepAll(Resampler):                      # never moves a particle
+        ...     def __call__(self, particles, log_weights):
+        ...         return particles, log_weights
+        >>> KeepAll(), isinstance(SystematicResampler(), Resampler)
+        (KeepAll(), True)
+    """
 
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
         raise NotImplementedError
@@ -177,6 +193,29 @@ class MultinomialResampler(_IndexResampler):
             ``O(N^2)`` marginal estimator); see the module docstring,
             ``docs/math/smc.md#stop-gradient-resampling`` and
             ``docs/math/smc.md#marginal-stop-gradient``.
+
+    Returns:
+        ``(particles, log_weights)``: each state tensor ``(..., N, *event)`` and the normalised
+        new log-weights ``(..., N)``, shaped as the inputs.
+
+    Raises:
+        ValueError: an unknown ``gradient`` mode; at call time, particles whose leading shape is
+            not ``log_weights.shape``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.resamplers import MultinomialResampler
+        >>> _ = torch.manual_seed(0)
+        >>> x, log_w = torch.randn(1000, 2), torch.randn(1000).log_softmax(-1)   # (N, d), (N,)
+        >>> resampler = MultinomialResampler()
+        >>> new, new_log_w = resampler({"x": x}, log_w)
+        >>> new["x"].shape, new_log_w.shape
+        (torch.Size([1000, 2]), torch.Size([1000]))
+        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
+        >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
+        True
+        >>> resampler.last_ancestors.shape, resampler.last_ancestors.dtype      # (N,)
+        (torch.Size([1000]), torch.int64)
     """
 
     _scheme = staticmethod(_resample.multinomial)
@@ -188,6 +227,26 @@ class StratifiedResampler(_IndexResampler):
     Args:
         gradient: ``"detach"`` (default), ``"stop_gradient"`` or ``"marginal_stop_gradient"``,
             as for :class:`MultinomialResampler`.
+
+    Returns:
+        ``(particles, log_weights)``: each state tensor ``(..., N, *event)`` and the normalised
+        new log-weights ``(..., N)``, shaped as the inputs.
+
+    Raises:
+        ValueError: an unknown ``gradient`` mode; at call time, particles whose leading shape is
+            not ``log_weights.shape``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.resamplers import StratifiedResampler
+        >>> _ = torch.manual_seed(0)
+        >>> x, log_w = torch.randn(1000, 2), torch.randn(1000).log_softmax(-1)   # (N, d), (N,)
+        >>> new, new_log_w = StratifiedResampler()({"x": x}, log_w)
+        >>> new["x"].shape, new_log_w.shape
+        (torch.Size([1000, 2]), torch.Size([1000]))
+        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
+        >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
+        True
     """
 
     _scheme = staticmethod(_resample.stratified)
@@ -203,6 +262,35 @@ class SystematicResampler(_IndexResampler):
             parameters of discrete (non-reparameterised) latent sites.
             ``gradient="marginal_stop_gradient"`` gives the ``O(N^2)`` marginal version of it
             (bootstrap filters; see ``docs/math/smc.md#marginal-stop-gradient``).
+
+    Returns:
+        ``(particles, log_weights)``: each state tensor ``(..., N, *event)`` and the normalised
+        new log-weights ``(..., N)``, shaped as the inputs.
+
+    Raises:
+        ValueError: an unknown ``gradient`` mode; at call time, particles whose leading shape is
+            not ``log_weights.shape``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.resamplers import SystematicResampler
+        >>> _ = torch.manual_seed(0)
+        >>> x, log_w = torch.randn(1000, 2), torch.randn(1000).log_softmax(-1)   # (N, d), (N,)
+        >>> new, new_log_w = SystematicResampler()({"x": x}, log_w)
+        >>> new["x"].shape, new_log_w.shape
+        (torch.Size([1000, 2]), torch.Size([1000]))
+        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
+        >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
+        True
+
+        Each particle is copied ``floor(N w)`` or ``ceil(N w)`` times:
+
+        >>> w = torch.tensor([0.1, 0.2, 0.3, 0.4])
+        >>> resampler = SystematicResampler()
+        >>> _ = resampler({"x": torch.arange(4.0)}, w.log())
+        >>> counts = torch.bincount(resampler.last_ancestors, minlength=4)
+        >>> bool(((counts - 4 * w).abs() < 1).all())
+        True
     """
 
     _scheme = staticmethod(_resample.systematic)
@@ -227,6 +315,28 @@ class SoftResampler(Resampler):
     Attributes:
         last_ancestors: the ancestor indices ``A`` of the last call, shape ``(..., N)`` (``None``
             before the first call), as for the index resamplers.
+
+    Returns:
+        ``(particles, log_weights)``: each state tensor ``(..., N, *event)`` and the normalised
+        new log-weights ``(..., N)``, shaped as the inputs.
+
+    Raises:
+        ValueError: ``alpha`` outside ``(0, 1]``; at call time, mismatched particle shapes.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.resamplers import SoftResampler
+        >>> _ = torch.manual_seed(0)
+        >>> x, log_w = torch.randn(1000, 2), torch.randn(1000).log_softmax(-1)   # (N, d), (N,)
+        >>> _ = log_w.requires_grad_()
+        >>> new, new_log_w = SoftResampler(alpha=0.5)({"x": x}, log_w)
+        >>> new["x"].shape, new_log_w.shape
+        (torch.Size([1000, 2]), torch.Size([1000]))
+        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
+        >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
+        True
+        >>> new_log_w.requires_grad                          # the weights keep a gradient
+        True
     """
 
     _last_ancestors: Tensor | None = None
@@ -294,6 +404,30 @@ class OTResampler(Resampler):
             ``num_iterations`` ``batch`` int64; ``marginal_error`` ``batch`` in the dtype of
             ``log_weights``; ``f`` and ``g`` the potentials, ``batch + (N,)``. Diagnostics
             only: the call's outputs do not depend on whether anyone reads them.
+
+    Returns:
+        ``(particles, log_weights)``: each state tensor ``(..., N, *event)`` and the normalised
+        new log-weights ``(..., N)``, shaped as the inputs.
+
+    Raises:
+        ValueError: an argument out of range or an unknown ``gradient`` mode; at call time,
+            mismatched particle shapes or no floating-point state tensor.
+
+    Example:
+        The transported particles are equally weighted and keep the weighted mean:
+
+        >>> import torch
+        >>> from pyro_smc.resamplers import OTResampler
+        >>> _ = torch.manual_seed(0)
+        >>> x, log_w = torch.randn(100, 2), torch.randn(100).log_softmax(-1)     # (N, d), (N,)
+        >>> resampler = OTResampler(epsilon=0.5)
+        >>> new, new_log_w = resampler({"x": x}, log_w)
+        >>> torch.allclose(new_log_w, torch.full((100,), -torch.log(torch.tensor(100.0))))
+        True
+        >>> torch.allclose(new["x"].mean(0), (log_w.exp()[:, None] * x).sum(0), atol=1e-2)
+        True
+        >>> bool(resampler.last_result.converged)
+        True
     """
 
     def __init__(self, epsilon: float = 0.5, scaling: float = 0.75, threshold: float = 1e-3, max_iter: int = 100, gradient: str = "implicit"):
