@@ -78,7 +78,7 @@ def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[
         ``log_lik = log N(y | C mean, C cov C^T + R)``.
 
     Raises:
-        torch.linalg.LinAlgError: if ``C cov C^T + R`` is not positive definite.
+        RuntimeError: (``torch.linalg.LinAlgError``) if ``C cov C^T + R`` is not positive definite.
 
     Example:
         >>> one = torch.tensor([[1.0]])

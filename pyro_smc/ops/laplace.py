@@ -34,7 +34,19 @@ __all__ = ["jittered", "laplace_newton", "regression_kernel"]
 
 
 def jittered(cov: Tensor) -> Tensor:
-    """``(cov + cov^T) / 2`` plus ``1e-6`` times its mean absolute diagonal on the diagonal ``(d, d)``."""
+    """``(cov + cov^T) / 2`` plus ``1e-6`` times its mean absolute diagonal on the diagonal.
+
+    Args:
+        cov: ``(d, d)``.
+
+    Returns:
+        ``(d, d)`` symmetric.
+
+    Example:
+        >>> out = jittered(torch.tensor([[2.0, 1.0], [0.0, 2.0]]))
+        >>> [round(v, 4) for v in out.flatten().tolist()], bool((out.diagonal() > 2.0).all())
+        ([2.0, 0.5, 0.5, 2.0], True)
+    """
     cov = symmetrize(cov)
     scale = cov.diagonal().abs().mean().clamp_min(torch.finfo(cov.dtype).tiny)
     return cov + 1e-6 * scale * torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
@@ -56,6 +68,18 @@ def laplace_newton(log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor,
         ``(loc, cov)``: the mode found and the inverse of the (clipped) negative Hessian there,
         both detached. Where a step's precision is not positive definite or the gradient is not
         finite, the last good iterate is returned.
+
+    Raises:
+        RuntimeError: (``torch.linalg.LinAlgError``) if ``cov`` is not positive definite.
+
+    Example:
+        >>> def log_g(x):  # Student-t likelihood of y = 1 with 3 degrees of freedom
+        ...     return -2.0 * torch.log1p((1.0 - x).square().sum() / 3)
+        >>> loc, cov = laplace_newton(log_g, torch.zeros(1), torch.eye(1))
+        >>> x = loc.clone().requires_grad_()
+        >>> (grad,) = torch.autograd.grad(log_g(x) - 0.5 * x.square().sum(), x)
+        >>> loc.shape, cov.shape, abs(float(grad)) < 1e-4  # a mode of the product
+        (torch.Size([1]), torch.Size([1, 1]), True)
     """
     prec_prior = torch.cholesky_inverse(torch.linalg.cholesky(cov))
 
@@ -101,6 +125,14 @@ def regression_kernel(x: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor, Tensor
     Returns:
         ``(weight (d, d), bias (d,), cov (d, d))`` with ``x_prev | x ~ N(weight x + bias, cov)``
         under the samples' joint moments: the exact backward kernel when they are jointly Gaussian.
+
+    Example:
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(500, 2)
+        >>> x_prev = x @ torch.tensor([[0.5, 0.0], [1.0, 2.0]]).T + torch.tensor([1.0, -1.0])
+        >>> weight, bias, cov = regression_kernel(x, x_prev)  # a noiseless linear relation
+        >>> [round(v, 3) for v in weight.flatten().tolist() + bias.tolist()]
+        [0.5, 0.0, 1.0, 2.0, 1.0, -1.0]
     """
     n = len(x)
     xc, pc = x - x.mean(0), x_prev - x_prev.mean(0)
