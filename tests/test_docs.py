@@ -1,4 +1,4 @@
-"""The README example runs, every public name resolves, the tutorials run in smoke mode."""
+"""The README and docs examples run, every public name resolves, the tutorials run in smoke mode."""
 
 import importlib
 import os
@@ -40,20 +40,33 @@ def test_public_names_resolve(module):
 _EXAMPLE = re.compile(r"<!-- example: ([\w-]+) -->\n```python\n(.*?)```", re.S)
 
 
+def example_pages() -> list[pathlib.Path]:
+    """The README and the documentation's own pages (not the build, nor the copied tutorials)."""
+    pages = sorted(p for p in (ROOT / "docs").rglob("*.md") if not p.relative_to(ROOT / "docs").parts[0].startswith(("_build", "tutorials")))
+    return [ROOT / "README.md"] + pages
+
+
 def readme_example(name: str) -> str:
-    """The README's python block marked ``<!-- example: name -->`` (markers, not positions, so that
-    adding a block does not renumber the others)."""
-    examples = dict(_EXAMPLE.findall((ROOT / "README.md").read_text()))
+    """The python block marked ``<!-- example: name -->`` in the README or a page of ``docs/``
+    (markers, not positions, so that adding a block does not renumber the others)."""
+    examples = {}
+    for page in example_pages():
+        examples.update(_EXAMPLE.findall(page.read_text()))
     return examples[name]
 
 
-def test_every_readme_python_block_is_marked_and_tested():
-    text = (ROOT / "README.md").read_text()
-    names = [name for name, _ in _EXAMPLE.findall(text)]
-    assert len(names) == text.count("```python"), "a README python block has no <!-- example: name --> marker"
+def test_every_readme_and_docs_python_block_is_marked_and_tested():
+    """Examples run as printed: every python block of the README and the docs pages has a marker
+    and a test that runs it."""
+    names = []
+    for page in example_pages():
+        text = page.read_text()
+        marked = [name for name, _ in _EXAMPLE.findall(text)]
+        assert len(marked) == text.count("```python"), f"a python block in {page.relative_to(ROOT)} has no <!-- example: name --> marker"
+        names += marked
     assert len(set(names)) == len(names), names
     tested = set(re.findall(r'readme_example\("([\w-]+)"\)', pathlib.Path(__file__).read_text()))
-    assert set(names) <= tested, f"README examples without a test: {set(names) - tested}"
+    assert set(names) <= tested, f"examples without a test: {set(names) - tested}"
 
 
 def _readme_ar1_mle(ys):
@@ -117,6 +130,15 @@ def test_readme_ep_example_runs():
     exec(code.replace("max_iter=50", "max_iter=3"), namespace)
     ep = namespace["ep"]
     assert ep.means.shape == (100, 1) and len(ep.history) == 3 and ep.first_sweep is not None
+
+
+def test_first_filter_example_runs():
+    """docs/getting_started.md's first filter, as printed: the shapes its comments state."""
+    namespace = {}
+    exec(readme_example("first-filter"), namespace)
+    smc = namespace["smc"]
+    assert smc.log_evidence.shape == (4,) and bool(torch.isfinite(smc.log_evidence).all())
+    assert smc.filtering_means["x"].shape == (50, 4)
 
 
 def test_readme_kronecker_example_runs():

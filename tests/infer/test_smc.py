@@ -602,3 +602,13 @@ def test_smcfilter_positional_form():
         SMC(ssm)
     with pytest.raises(TypeError):
         SMC(ssm, None, 50, 0, SystematicResampler())  # the rest is keyword-only
+
+
+def test_a_nan_parameter_stops_the_run_naming_the_step():
+    """docs/advice.md: a NaN parameter makes the run raise SMCFailedError naming the time step and a site."""
+    eye = torch.eye(2)
+    ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye)
+    _, ys = ssm.simulate(5, generator=torch.Generator().manual_seed(0))
+    ssm.A = torch.full((2, 2), math.nan)
+    with pytest.raises(SMCFailedError, match=r"time step 1.*site 'y_1'"):
+        SMC(ssm, num_particles=10).run(ys)
