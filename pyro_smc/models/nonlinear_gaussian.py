@@ -72,6 +72,28 @@ class NonlinearGaussianSSM(PyroModule):
         observation_cov: ``R``, ``(e, e)`` positive definite.
         init_mean: ``(d,)``.
         init_cov: ``(d, d)`` positive definite.
+
+    Raises:
+        ValueError: a covariance of the wrong shape or not positive definite, or a map whose
+            output at ``init_mean`` does not have shape ``(d,)`` (transition) or ``(e,)``
+            (observation).
+
+    Example:
+        A time-varying observation ``g(x, t)`` beside a time-free transition ``f(x)``:
+
+        >>> import torch
+        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> from pyro_smc.models.protocol import GaussianStateSpaceModel
+        >>> eye = torch.eye(2)
+        >>> ssm = NonlinearGaussianSSM(torch.tanh, 0.1 * eye, lambda x, t: x[..., :1] * t, torch.eye(1),
+        ...                            torch.zeros(2), eye)
+        >>> ssm.state_dim, ssm.obs_dim, isinstance(ssm, GaussianStateSpaceModel)
+        (2, 1, True)
+        >>> ssm.observation_fn(torch.ones(4, 2), 3).shape               # (..., d) -> (..., e)
+        torch.Size([4, 1])
+        >>> xs, ys = ssm.simulate(5, generator=torch.Generator().manual_seed(0))
+        >>> xs.shape, ys.shape                                         # (T, d), (T, e)
+        (torch.Size([5, 2]), torch.Size([5, 1]))
     """
 
     def __init__(

@@ -70,6 +70,16 @@ class StateSpaceModel(Protocol, metaclass=_ModuleProtocolMeta):
     ``f"x_{t}"`` given ``state["x"]`` (from the prior on the first step), stores it in ``state``
     and observes ``f"y_{t}"`` (``y=None``: sampled, a missing observation). ``simulate(T)``
     draws ``(xs (T, state_dim), ys (T, obs_dim))``.
+
+    Example:
+        The protocol is runtime-checkable, so a ready model passes ``isinstance``:
+
+        >>> import torch
+        >>> from pyro_smc.models import ChaoticRNN
+        >>> from pyro_smc.models.protocol import StateSpaceModel
+        >>> ssm = ChaoticRNN(state_dim=3, generator=torch.Generator().manual_seed(0))
+        >>> isinstance(ssm, StateSpaceModel), isinstance(object(), StateSpaceModel)
+        (True, False)
     """
 
     @property
@@ -96,6 +106,19 @@ class GaussianStateSpaceModel(StateSpaceModel, Protocol):
         observation_cov: ``(e, e)``, the covariance of ``v_t``.
         transition_fn: ``f(x, t)`` ``(..., d) -> (..., d)`` or a GP posterior.
         observation_fn: ``g(x, t)`` ``(..., d) -> (..., e)`` or a GP posterior.
+
+    Example:
+        A linear-Gaussian model is one; a chaotic RNN with Student-t observations is not:
+
+        >>> import torch
+        >>> from pyro_smc.models import ChaoticRNN, LinearGaussianSSM
+        >>> from pyro_smc.models.protocol import GaussianStateSpaceModel
+        >>> eye = torch.eye(2)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye)
+        >>> isinstance(ssm, GaussianStateSpaceModel), ssm.transition_fn(torch.ones(3, 2), 0).shape
+        (True, torch.Size([3, 2]))
+        >>> isinstance(ChaoticRNN(state_dim=2), GaussianStateSpaceModel)
+        False
     """
 
     @property
