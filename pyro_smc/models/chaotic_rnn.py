@@ -62,6 +62,20 @@ class ChaoticRNN(PyroModule):
         observation_df: Student-t degrees of freedom.
         weight: the ``(d, d)`` recurrent matrix; drawn as ``N(0, 1/d)`` from ``generator`` if ``None``.
         generator: random generator for ``weight``.
+
+    Raises:
+        ValueError: ``state_dim`` is not a positive int, a scale or ``observation_df`` is not
+            positive, or ``weight`` is not ``(d, d)``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.models import ChaoticRNN
+        >>> ssm = ChaoticRNN(state_dim=3, generator=torch.Generator().manual_seed(0))
+        >>> ssm.weight.shape                                          # (d, d)
+        torch.Size([3, 3])
+        >>> xs, ys = ssm.simulate(5, generator=torch.Generator().manual_seed(1))
+        >>> xs.shape, ys.shape                                        # (T, d), (T, d)
+        (torch.Size([5, 3]), torch.Size([5, 3]))
     """
 
     def __init__(

@@ -96,6 +96,15 @@ class NeuralSSM(PyroModule):
     Raises:
         ValueError: a non-positive dimension or scale, an unknown ``emission``, or ``"identity"``
             with ``obs_dim != state_dim``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.models import NeuralSSM
+        >>> _ = torch.manual_seed(0)
+        >>> ssm = NeuralSSM(state_dim=2, obs_dim=3, hidden_dim=8)
+        >>> xs, ys = ssm.simulate(5)                                  # (T, d), (T, e)
+        >>> xs.shape, ys.shape
+        (torch.Size([5, 2]), torch.Size([5, 3]))
     """
 
     def __init__(
@@ -186,6 +195,23 @@ class NeuralProposal(PyroModule):
 
     Raises:
         ValueError: a non-positive ``hidden_dim`` or ``proposal_scale``.
+
+    Example:
+        The proposal in a particle filter: ``log Z_hat`` reaches its parameters.
+
+        >>> import torch
+        >>> from pyro_smc import SMC
+        >>> from pyro_smc.models import NeuralProposal, NeuralSSM
+        >>> _ = torch.manual_seed(0)
+        >>> ssm = NeuralSSM(state_dim=2, obs_dim=3, hidden_dim=8)
+        >>> proposal = NeuralProposal(ssm, hidden_dim=8)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> log_z = SMC(ssm, proposal, num_particles=10).run(ys).log_evidence
+        >>> log_z.shape                                               # (num_filters,)
+        torch.Size([1])
+        >>> log_z.sum().backward()
+        >>> all(p.grad is not None for p in proposal.parameters())
+        True
     """
 
     def __init__(self, model: NeuralSSM, hidden_dim: int = 32, proposal_scale: float = 0.5):
