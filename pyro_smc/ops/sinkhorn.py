@@ -165,6 +165,10 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
 
     Returns:
         ``||x_i - y_j||^2``, shape ``(..., N, M)``, clamped at zero.
+
+    Example:
+        >>> squared_distances(torch.tensor([[0.0, 0.0], [3.0, 4.0]]), torch.tensor([[0.0, 0.0]])).tolist()
+        [[0.0], [25.0]]
     """
     xx = (x * x).sum(-1).unsqueeze(-1)
     yy = (y * y).sum(-1).unsqueeze(-2)
@@ -257,11 +261,25 @@ def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Ten
     Args:
         kernel: ``K``, shape ``(..., N, M)``.
         sqrt_a, sqrt_b: square roots of the marginals, ``(..., N)`` and ``(..., M)``.
-        grad_f, grad_g: incoming gradients with respect to the potentials.
+        grad_f, grad_g: incoming gradients with respect to the potentials, ``(..., N)`` and
+            ``(..., M)``.
         tol: relative residual tolerance of the linear solve.
 
     Returns:
-        ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)``.
+        ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)``. A relative residual above
+        ``1e-2`` is warned about (``SinkhornConvergenceWarning``).
+
+    Example:
+        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+        >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
+        >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
+        >>> f, g = sinkhorn(cost, log_a, log_b, epsilon=0.1, threshold=1e-5, max_iter=500)
+        >>> sqrt_a, sqrt_b = (log_a / 2).exp(), (log_b / 2).exp()
+        >>> K = transport_plan(cost, log_a, log_b, f, g, 0.1) / (sqrt_a[:, None] * sqrt_b)
+        >>> grad_g = torch.tensor([1.0, -2.0, 1.0])  # sums to 0: the system is consistent
+        >>> alpha, beta = implicit_adjoint(K, sqrt_a, sqrt_b, torch.zeros(3), grad_g, 1e-6)
+        >>> bool(torch.allclose(K @ beta, -alpha, atol=1e-4) and torch.allclose(K.T @ alpha + beta, grad_g / sqrt_b, atol=1e-4))
+        True
     """
     r_f = grad_f / sqrt_a
     r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
@@ -413,18 +431,70 @@ def sinkhorn(
     Returns:
         ``(f, g)``, potentials of shapes ``(..., N)`` and ``(..., M)``. Whether the solve
         converged is only warned about here; :func:`sinkhorn_solve` returns it.
+
+    Raises:
+        ValueError: on a bad ``epsilon``, ``max_iter`` or ``gradient``, mismatched shapes, or
+            measures of unequal mass.
+
+    Example:
+        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+        >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
+        >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
+        >>> f, g = sinkhorn(cost, log_a, log_b, epsilon=0.1, threshold=1e-5, max_iter=500)
+        >>> plan = transport_plan(cost, log_a, log_b, f, g, 0.1)
+        >>> f.shape, bool(torch.allclose(plan.sum(-2), log_b.exp(), atol=1e-4))
+        (torch.Size([3]), True)
     """
     f, g, *_ = sinkhorn_solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, gradient)
     return f, g
 
 
 def check_equal_mass(log_a: Tensor, log_b: Tensor) -> None:
-    """Raises ``ValueError`` unless the two log-measures have the same total mass (to 1e-3)."""
+    """Checks that two log-measures have the same total mass (to 1e-3 in log space).
+
+    Args:
+        log_a: ``(..., N)`` log-weights.
+        log_b: ``(..., M)`` log-weights; batch dims broadcast with ``log_a``'s.
+
+    Returns:
+        ``None``.
+
+    Raises:
+        ValueError: if the log total masses differ by ``1e-3`` or more in any problem.
+
+    Example:
+        >>> check_equal_mass(torch.full((4,), 0.25).log(), torch.tensor([0.5, 0.5]).log())
+        >>> check_equal_mass(torch.zeros(2), torch.zeros(3))
+        Traceback (most recent call last):
+            ...
+        ValueError: sinkhorn: log_a and log_b must have equal total mass (log-mass gap 0.405)
+    """
     mass_gap = (torch.logsumexp(log_a.detach(), -1) - torch.logsumexp(log_b.detach(), -1)).abs().max()
     if not float(mass_gap) < 1e-3:
         raise ValueError(f"sinkhorn: log_a and log_b must have equal total mass (log-mass gap {float(mass_gap):.3g})")
 
 
 def transport_plan(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, epsilon: float) -> Tensor:
-    """The plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``, shape ``(..., N, M)``."""
+    """The plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)`` from the dual potentials.
+
+    Args:
+        cost: ``(..., N, M)``.
+        log_a: ``(..., N)`` log source weights.
+        log_b: ``(..., M)`` log target weights.
+        f: ``(..., N)`` source potentials, e.g. from :func:`sinkhorn`.
+        g: ``(..., M)`` target potentials.
+        epsilon: the regularisation the potentials were computed at.
+
+    Returns:
+        ``(..., N, M)``: the plan, with marginals ``a`` and ``b`` up to the solver's error.
+
+    Example:
+        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+        >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
+        >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
+        >>> f, g = sinkhorn(cost, log_a, log_b, epsilon=0.1, threshold=1e-5, max_iter=500)
+        >>> plan = transport_plan(cost, log_a, log_b, f, g, 0.1)
+        >>> [round(v, 3) for v in plan.sum(-1).tolist()], plan.shape
+        ([0.333, 0.333, 0.333], torch.Size([3, 3]))
+    """
     return torch.exp(log_a.unsqueeze(-1) + log_b.unsqueeze(-2) + (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / epsilon)

@@ -59,8 +59,22 @@ __all__ = ["SinkhornConvergenceWarning", "SinkhornResult", "record_results"]
 
 
 class SinkhornConvergenceWarning(UserWarning):
-    """Sinkhorn stopped at ``max_iter`` with a marginal error above ``threshold``: the plan, and
-    the gradients implied by it, are inaccurate. Raise ``max_iter`` or ``epsilon``."""
+    """Warned when Sinkhorn stops at ``max_iter`` with a marginal error above ``threshold``.
+
+    The plan, and the gradients implied by it, are then inaccurate: raise ``max_iter`` or
+    ``epsilon``. Also warned when the implicit-gradient (adjoint) solve leaves a large residual.
+
+    Example:
+        >>> import math, warnings
+        >>> from pyro_smc.ops.sinkhorn import sinkhorn
+        >>> cost = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        >>> log_a, log_b = torch.full((2,), -math.log(2)), torch.tensor([0.9, 0.1]).log()
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = sinkhorn(cost, log_a, log_b, epsilon=0.01, scaling=0.0, threshold=1e-9, max_iter=1)
+        >>> [w.category.__name__ for w in caught]
+        ['SinkhornConvergenceWarning']
+    """
 
 
 class SinkhornResult(NamedTuple):
@@ -77,6 +91,15 @@ class SinkhornResult(NamedTuple):
         marginal_error: ``(...)``, detached, dtype of the cost: the L1 marginal error the
             stopping rule measured at the problem's last check (``inf``/``nan`` where the
             scalings overflowed on the last iteration).
+
+    Example:
+        >>> import math
+        >>> from pyro_smc.ops.sinkhorn import sinkhorn_solve
+        >>> cost = torch.tensor([[0.0, 1.0], [1.0, 0.0]]).expand(3, 2, 2)
+        >>> log_a, log_b = torch.full((3, 2), -math.log(2)), torch.tensor([0.6, 0.4]).log().expand(3, 2)
+        >>> result = sinkhorn_solve(cost, log_a, log_b, epsilon=0.5, threshold=1e-4)
+        >>> result.f.shape, result.converged.tolist(), bool((result.marginal_error < 1e-4).all())
+        (torch.Size([3, 2]), [True, True, True], True)
     """
 
     f: Tensor
@@ -98,7 +121,16 @@ def record_results() -> Iterator[list[SinkhornResult]]:
     Blocks nest (each collects every solve inside it) and are local to a thread or task.
 
     Yields:
-        A list, appended to in the order the solves ran.
+        A list of ``SinkhornResult``, appended to in the order the solves ran.
+
+    Example:
+        >>> from pyro_smc.ops.ensemble import ensemble_transform
+        >>> _ = torch.manual_seed(0)
+        >>> x, log_w = torch.randn(2, 20, 1), torch.randn(2, 20).log_softmax(-1)
+        >>> with record_results() as results:
+        ...     _ = ensemble_transform(x, log_w, threshold=1e-4, max_iter=500)
+        >>> len(results), results[0].converged.tolist()
+        (1, [True, True])
     """
     results: list[SinkhornResult] = []
     token = _RECORDERS.set(_RECORDERS.get() + (results,))
