@@ -97,6 +97,30 @@ class AutoKroneckerFlow(AutoGuide):
             family.
         quantile_samples: draws behind the Monte Carlo :meth:`quantiles` of ``"nonlinear"``
             matrix sites (default 4096).
+
+    Calling the guide with the model's arguments returns ``{site: value}``, one draw of every
+    latent site in the site's own shape (an ``(n, p)`` matrix for a matrix site).
+
+    Raises:
+        ValueError: ``init_scale <= 0``, or an unknown ``kind`` or ``flow``.
+
+    Example:
+        Matrix sites get the flow posterior, scalar ones a mean-field normal:
+
+        >>> import torch, pyro, pyro.distributions as dist
+        >>> from pyro_smc.guides import AutoKroneckerFlow
+        >>> def model(x, y):
+        ...     w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2))
+        ...     b = pyro.sample("b", dist.Normal(0.0, 1.0))
+        ...     with pyro.plate("data", x.shape[0]):
+        ...         pyro.sample("y", dist.Normal(x @ w + b, 0.1).to_event(1), obs=y)
+        >>> pyro.clear_param_store()
+        >>> pyro.set_rng_seed(0)
+        >>> x, y = torch.randn(10, 3), torch.randn(10, 2)            # (n_data, 3), (n_data, 2)
+        >>> guide = AutoKroneckerFlow(model, kind="nonlinear", hidden_dims=(8,))
+        >>> draw = guide(x, y)
+        >>> guide.matrix_sites, draw["w"].shape, draw["b"].shape
+        ({'w': (3, 2)}, torch.Size([3, 2]), torch.Size([]))
     """
 
     quantile_samples = 4096
