@@ -74,6 +74,34 @@ class StreamingFilterGuide(StreamingFamily):
     Parameters (fixed names, no growth over time) are those of
     :class:`~pyro_smc.guides.streaming_family.StreamingFamily` with ``K = T - 1`` offline and
     ``K = 1`` online, prefixed ``StreamingFilterGuide``.
+
+    Called as a Pyro guide it returns ``{site name: value (d,)}`` for every latent site of the
+    model (see :meth:`forward`).
+
+    Raises:
+        ValueError: ``num_steps`` is not a positive int or ``None``, or a family argument is
+            invalid (as for ``StreamingFamily``).
+
+    Example:
+        The offline role: one draw of a whole trajectory, the last state from the marginal and
+        each earlier one through its backward kernel.
+
+        >>> import torch, pyro
+        >>> from pyro_smc.guides import StreamingFilterGuide
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> eye = torch.eye(2)
+        >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2), eye)
+        >>> def model(ys):
+        ...     state = {}
+        ...     ssm.init(state)
+        ...     for y in ys:
+        ...         ssm.step(state, y)
+        >>> pyro.clear_param_store()
+        >>> pyro.set_rng_seed(0)
+        >>> guide = StreamingFilterGuide(2, model, num_steps=3)
+        >>> draw = guide(torch.zeros(3, 2))                           # ys: (T, dy)
+        >>> len(draw), {value.shape for value in draw.values()}, guide.num_kernels, guide.online
+        (3, {torch.Size([2])}, 2, False)
     """
 
     def __init__(

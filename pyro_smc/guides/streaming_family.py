@@ -114,6 +114,25 @@ class StreamingFamily(pyro.nn.PyroModule):
     ``(K, d, d)``, ``bwd_bias`` ``(K, d)``, ``bwd_scale_raw`` ``(K, ...)``; ``bwd_mlp_*`` when
     ``backward="mlp"``. Parameter names are prefixed by the class name, as AutoGuides do, so they
     cannot collide with the model's.
+
+    Raises:
+        ValueError: ``state_dim`` or ``num_kernels`` out of range, an unknown ``covariance`` or
+            ``backward``, ``init_scale <= 0``, or empty ``hidden_dims`` with ``backward="mlp"``.
+
+    Example:
+        :meth:`marginals` pushes ``q(x_1) = N(1, 2)`` back through the kernel
+        ``x_0 | x_1 ~ N(0.5 x_1, 1)``, giving ``N(0.5, 0.25 * 2 + 1)`` for ``x_0``:
+
+        >>> import torch
+        >>> from pyro_smc.guides import StreamingFamily
+        >>> q = StreamingFamily(1, num_kernels=1, covariance="full")
+        >>> q.set_marginal(torch.ones(1), 2 * torch.eye(1))
+        >>> q.set_kernel(0.5 * torch.eye(1), torch.zeros(1), torch.eye(1))
+        >>> means, covs = q.marginals()                                # (K + 1, d), (K + 1, d, d)
+        >>> torch.allclose(means.flatten(), torch.tensor([0.5, 1.0]))
+        True
+        >>> torch.allclose(covs.flatten(), torch.tensor([1.5, 2.0]))
+        True
     """
 
     def __init__(
