@@ -84,6 +84,28 @@ class MultiOutputGP(PyroModule):
         noise: likelihood variances ``sigma_a^2``, broadcastable to ``(E,)``; default:
             ``0.1 * variance``.
         jitter: added to the Gram diagonal with the noise, as in ``pyro.contrib.gp``.
+
+    ``predict(x)`` with ``x`` ``(m, D)`` returns the predictive means and variances, each
+    ``(m, E)``; ``predict_moments(mean (D,), cov (D, D))`` returns ``(M (E,), V (E, E),
+    C (D, E))`` at a Gaussian input.
+
+    Raises:
+        ValueError: ``X`` is not ``(n, D)``, ``Y`` does not match it, an entry is not finite,
+            ``jitter < 0``, or a hyperparameter has the wrong shape or is not positive.
+
+    Example:
+        With little noise the posterior mean interpolates the training targets:
+
+        >>> import torch
+        >>> from pyro_smc.gp import MultiOutputGP
+        >>> X = torch.linspace(-2, 2, 10).unsqueeze(-1)                  # (n, D)
+        >>> Y = torch.cat([X.sin(), X.cos()], -1)                        # (n, E)
+        >>> gp = MultiOutputGP(X, Y, noise=1e-4)
+        >>> mean, var = gp.predict(X[:3])
+        >>> mean.shape, var.shape                                        # (m, E), (m, E)
+        (torch.Size([3, 2]), torch.Size([3, 2]))
+        >>> torch.allclose(mean, Y[:3], atol=1e-2)
+        True
     """
 
     def __init__(
