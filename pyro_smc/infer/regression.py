@@ -78,7 +78,40 @@ class Regressor(abc.ABC):
 
     Predictions have shape ``(...,)`` or ``(..., k)`` following the targets of the last fit, and are
     computed in the dtype and on the device of the fit inputs (``x`` is cast to them).
-    Subclasses implement ``_fit``, ``_predict``, ``_get_state`` and ``_set_state``.
+    Subclasses implement ``_fit``, ``_predict``, ``_reference``, ``_get_state`` and ``_set_state``.
+
+    Returns:
+        ``fit`` returns the regressor itself; a call returns predictions ``(...,)`` (vector
+        targets) or ``(..., k)``.
+
+    Raises:
+        ValueError: ``fit`` inputs that are not ``(N >= 2, d >= 1)`` floating and finite, or
+            targets not ``(N,)`` / ``(N, k)``; a call with trailing dimension other than ``d``.
+        RuntimeError: a call before ``fit``.
+
+    Example:
+        A minimal subclass that predicts the mean target:
+
+        >>> import torch
+        >>> from pyro_smc.regression import Regressor
+        >>> class MeanRegressor(Regressor):
+        ...     def _fit(self, X, Y):
+        ...         self.mean = Y.mean(0)                                  # (k,)
+        ...     def _predict(self, x):
+        ...         return self.mean.expand(x.shape[0], -1)                # (M, k)
+        ...     def _reference(self):
+        ...         return self.mean
+        ...     def _get_state(self):
+        ...         return {"mean": self.mean}
+        ...     def _set_state(self, state):
+        ...         self.mean = state["mean"]
+        >>> reg = MeanRegressor().fit(torch.zeros(4, 2), torch.arange(4.0))   # (N, d), (N,)
+        >>> reg(torch.zeros(3, 5, 2))                                     # (..., d) -> (...,)
+        tensor([[1.5000, 1.5000, 1.5000, 1.5000, 1.5000],
+                [1.5000, 1.5000, 1.5000, 1.5000, 1.5000],
+                [1.5000, 1.5000, 1.5000, 1.5000, 1.5000]])
+        >>> reg.fit(torch.zeros(4, 2), torch.ones(4, 3))(torch.zeros(2)).shape   # (k,) targets
+        torch.Size([3])
     """
 
     def __init__(self) -> None:
