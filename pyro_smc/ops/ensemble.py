@@ -208,17 +208,17 @@ def ensemble_transform(
 
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> x = torch.randn(3, 20, 2, requires_grad=True)  # 3 filters of 20 particles
-        >>> log_w = torch.randn(3, 20).log_softmax(-1)
+        >>> x = torch.randn(3, 10, 2, requires_grad=True)  # 3 filters of 10 particles
+        >>> log_w = torch.randn(3, 10).log_softmax(-1)
         >>> x_new, plan = ensemble_transform(x, log_w, threshold=1e-4, max_iter=500)
         >>> x_new.shape, plan.shape
-        (torch.Size([3, 20, 2]), torch.Size([3, 20, 20]))
+        (torch.Size([3, 10, 2]), torch.Size([3, 10, 10]))
         >>> weighted_mean = (log_w.exp().unsqueeze(-1) * x).sum(-2)
         >>> bool(torch.allclose(x_new.mean(-2), weighted_mean, atol=1e-3))
         True
         >>> x_new.sum().backward()
         >>> x.grad.shape
-        torch.Size([3, 20, 2])
+        torch.Size([3, 10, 2])
     """
     if not epsilon > 0:
         raise ValueError(f"ensemble_transform: epsilon must be > 0, got {epsilon}")
