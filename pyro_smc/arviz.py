@@ -201,6 +201,22 @@ def to_inference_data(
         ValueError: an SMC that has not been run, ``smoothing`` on an engine without
             ``store_history=True`` or with ``generator``, ``num_draws < 1``, a guide's
             ``num_draws`` not a multiple of ``num_chains``, or an object of another type.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc import SMC
+        >>> from pyro_smc.arviz import to_inference_data
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(2)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye)
+        >>> _, ys = ssm.simulate(5)
+        >>> smc = SMC(ssm, num_particles=20, num_filters=3).run(ys)
+        >>> idata = to_inference_data(smc, num_draws=10)
+        >>> idata.posterior["x"].shape                       # (num_filters, num_draws, d)
+        (3, 10, 2)
+        >>> idata.sample_stats["log_evidence"].shape         # (num_filters, num_draws)
+        (3, 10)
     """
     if smoothing is not None and not isinstance(obj, SMC):
         raise ValueError(f"to_inference_data: smoothing= applies to an SMC run, not a {type(obj).__name__}")
