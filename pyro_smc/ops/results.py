@@ -144,6 +144,12 @@ class GaussianSmootherResult:
         log_evidence: the prediction-error decomposition of ``log p(y_{1:T})`` under the filter's
             Gaussian approximation (filters and smoothers); ``None`` for EP.
         log_evidence_increments: ``(T,)`` its per-step terms; ``None`` for EP.
+
+    Example:
+        >>> import torch
+        >>> out = GaussianSmootherResult(torch.zeros(5, 2), torch.eye(2).expand(5, 2, 2))
+        >>> out.means.shape, out.converged, out.history, out.log_evidence is None
+        (torch.Size([5, 2]), True, (), True)
     """
 
     means: Tensor
