@@ -29,7 +29,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 
-
 def _conf_constant(name: str):
     """A literal assigned at the top of ``docs/conf.py``, read without running it (importing it
     would copy the tutorials into docs/)."""
@@ -98,51 +97,9 @@ def test_docs_build(tmp_path):
 
 _EXAMPLE = re.compile(r"^\s*Examples?\b[^\n]*:\s*$", re.M)
 
-# Public names whose docstring has no Example(s) section today (December 2026). Many are
-# covered by an example in their module's docstring or in the README; this list may only shrink:
-# add an ``Example:`` section to a name's own docstring and delete it here.
-WITHOUT_EXAMPLES = {
-    "pyro_smc": ["SMC", "SMCELBO", "EPSmoother"],
-    "pyro_smc.infer": [
-        "GaussianSmootherResult", "Linearization", "MomentMatching", "Projection", "Unscented",
-        "SMCFailedError", "extended_kalman_filter", "extended_rts_smoother", "gaussian_filter",
-        "gaussian_smoother", "gp_adf", "gp_rtss", "unscented_kalman_filter", "unscented_rts_smoother"
-    ],
-    "pyro_smc.resamplers": [
-        "Resampler", "MultinomialResampler", "StratifiedResampler", "SystematicResampler", "SoftResampler",
-        "OTResampler"
-    ],
-    "pyro_smc.models": [
-        "ChaoticRNN", "DiagonalLinearGaussianSSM", "GaussianStateSpaceModel", "LinearGaussianSSM",
-        "NeuralProposal", "NeuralSSM", "NonlinearGaussianSSM", "StateSpaceModel"
-    ],
-    "pyro_smc.guides": ["AutoKroneckerFlow", "StreamingFamily", "StreamingFilterGuide"],
-    "pyro_smc.gp": ["MultiOutputGP"],
-    "pyro_smc.regression": ["Regressor"],
-    "pyro_smc.arviz": ["to_inference_data"],
-    "pyro_smc.distributed": ["DistributedELBO", "broadcast_params"],
-    # pyro_smc.ops: the tensor operations under the engines (documented on the ops page).
-    "pyro_smc.ops.ensemble": ["ensemble_transform"],
-    "pyro_smc.ops.gaussian": [
-        "check_psd", "damp", "divide", "is_proper", "multiply", "psd_repair", "symmetrize", "to_moment",
-        "to_natural", "tril_from_vector", "tril_to_vector"
-    ],
-    "pyro_smc.ops.gp_moments": ["se_ard_kernel", "se_ard_predict", "se_ard_linearize", "se_ard_moments"],
-    "pyro_smc.ops.kalman": ["predict", "update", "masked_update", "smooth_step", "kalman_filter", "rts_smoother"],
-    "pyro_smc.ops.kronecker": [
-        "kron", "kron_logdet", "kron_matvec", "kron_solve", "kron_tril_entropy", "kron_tril_logdet",
-        "kron_tril_mahalanobis", "kron_tril_trace", "kron_tril_variance", "unvec", "vec"
-    ],
-    "pyro_smc.ops.laplace": ["jittered", "laplace_newton", "regression_kernel"],
-    "pyro_smc.ops.resample": ["multinomial", "stratified", "systematic", "inverse_cdf"],
-    "pyro_smc.ops.results": ["EPIteration", "FilterResult", "OnlineFilterResult", "SMCResult", "SmootherResult"],
-    "pyro_smc.ops.sinkhorn": [
-        "SinkhornConvergenceWarning", "SinkhornResult", "squared_distances", "sinkhorn", "record_results",
-        "transport_plan", "check_equal_mass", "implicit_adjoint"
-    ],
-    "pyro_smc.ops.unscented": ["sigma_points", "unscented_moments"],
-    "pyro_smc.ops.weights": ["all_finite", "check_log_weights", "normalize", "ess", "log_mean_exp"],
-}
+# Public names allowed to lack an ``Example:`` section in their own docstring. Empty: every public
+# name has one (December 2026). Keep it empty; a name added here needs a reason in a comment.
+WITHOUT_EXAMPLES: dict[str, list[str]] = {}
 
 
 def _attr_documented(obj, name: str) -> bool:
