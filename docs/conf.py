@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import re
 import shutil
 import sys
 
@@ -226,6 +227,21 @@ def _process_bases(app, name, obj, options, bases):
     bases[:] = [b for b in new if b is not object] or [object]
 
 
+# --- links to the mathematics --------------------------------------------------------------------
+# Docstrings cite the derivations as ``docs/math/<page>.md#<anchor>`` (readable in a terminal and on
+# GitHub); on the site they become links. Autodoc pages sit one level below docs/ (api/...), as do
+# the maths pages, so the relative target is ../math/<page>.html#<anchor>.
+_MATH_CITATION = re.compile(r"``docs/math/(\w+)\.md(?:#([\w-]+))?``")
+
+
+def _link_math_citations(app, what, name, obj, options, lines):
+    for i, line in enumerate(lines):
+        lines[i] = _MATH_CITATION.sub(
+            lambda m: f"`docs/math/{m[1]}.md{'#' + m[2] if m[2] else ''} <../math/{m[1]}.html{'#' + m[2] if m[2] else ''}>`__", line
+        )
+
+
 def setup(app):
+    app.connect("autodoc-process-docstring", _link_math_citations)
     app.connect("missing-reference", _missing_reference, priority=400)
     app.connect("autodoc-process-bases", _process_bases)
