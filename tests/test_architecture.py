@@ -103,6 +103,7 @@ CROSS_CUTTING = {
     "test_lint.py",  # ruff over the whole repository
     "test_packaging.py",  # sdist and wheel build, install into a fresh environment
     "test_docs_build.py",  # the Sphinx build of docs/ and the docstring coverage of every public name
+    "test_docs_claims.py",  # each checkable claim of the docs pages about saving, gradients, approximations
     "test_math_docs.py",
     "guides/test_autoguide_conformance.py",  # every guide against Pyro's AutoGuide contract
 }
