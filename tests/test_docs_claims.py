@@ -295,3 +295,31 @@ def test_ot_log_evidence_estimate_can_lie_above_the_log_evidence():
         smc = SMC(ssm, num_particles=32, num_filters=1000, resampler=OTResampler(epsilon=0.5, max_iter=1000), ess_threshold=1.0).run(ys)
     gap = smc.log_evidence - ssm.log_evidence(ys)
     assert gap.mean() > 5 * gap.std() / len(gap) ** 0.5
+
+
+class _MixedState:
+    """A 2-d float state ``x``, a float scalar ``v`` derived from it and an integer label ``z``."""
+
+    def init(self, state):
+        self.t = 0
+
+    def step(self, state, y=None):
+        loc = 0.9 * state["x"] if "x" in state else torch.zeros(2)
+        x = pyro.sample(f"x_{self.t}", dist.Normal(loc, 1.0).to_event(1))
+        z = pyro.sample(f"z_{self.t}", dist.Bernoulli(torch.tensor(0.3)))
+        state["x"], state["v"], state["z"] = x, 2.0 * x[..., 0], z.long()
+        pyro.sample(f"y_{self.t}", dist.Normal(x, 1.0).to_event(1), obs=y)
+        self.t += 1
+
+
+@pytest.mark.parametrize("method", ["ffbs", "rejection", "genealogy"])
+def test_smooth_returns_every_floating_point_state_key(method):
+    """docs/engines/smc.md, trajectories: "``smc.smooth(num_samples, method)`` then returns, for every
+    floating-point state key, smoothed trajectories of shape ``(num_samples, T, num_filters,
+    *event)``". A state with two float keys and an integer one gives the two float keys."""
+    ys = torch.randn(6, 2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        smc = SMC(_MixedState(), num_particles=20, num_filters=3, store_history=True).run(ys)
+        paths = smc.smooth(7, method=method)
+    assert {k: tuple(v.shape) for k, v in paths.items()} == {"x": (7, 6, 3, 2), "v": (7, 6, 3)}
+    assert all(v.is_floating_point() for v in paths.values())
