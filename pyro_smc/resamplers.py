@@ -352,7 +352,9 @@ class SoftResampler(Resampler):
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
         _check_particles(particles, log_weights)
         n = log_weights.shape[-1]
-        log_mix = torch.logaddexp(log_weights + math.log(self.alpha), torch.full_like(log_weights, math.log1p(-self.alpha) - math.log(n)))
+        # alpha = 1 (plain multinomial) leaves no uniform part: its log-weight is -inf, not an error.
+        log_uniform = math.log1p(-self.alpha) - math.log(n) if self.alpha < 1 else -math.inf
+        log_mix = torch.logaddexp(log_weights + math.log(self.alpha), torch.full_like(log_weights, log_uniform))
         index = _resample.multinomial(log_mix)
         self._last_ancestors = index
         new_log_w = (log_weights - log_mix).gather(-1, index)

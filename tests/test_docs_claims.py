@@ -59,9 +59,6 @@ def test_ot_resampling_evidence_estimate_is_biased_and_less_so_at_smaller_epsilo
     assert (large.mean() - 1).abs() - (small.mean() - 1).abs() > 5 * bias_gap.std() / len(bias_gap) ** 0.5
 
 
-@pytest.mark.xfail(
-    strict=True, raises=ValueError, reason="code bug: SoftResampler(alpha=1.0) accepts alpha = 1 but its call takes math.log1p(-1) (math domain error)"
-)
 def test_soft_resampling_with_alpha_one_is_multinomial():
     """docs/engines/smc.md, resampler table: ``SoftResampler(alpha)`` -- "``alpha = 1`` is
     multinomial". The new weights are uniform (so no weight gradient flows), and each particle's
