@@ -31,6 +31,11 @@ equals the matching Gaussian smoother (EKS, URTSS, GP-RTSS); later sweeps use ``
 ``damping`` and refine the linearisation points. A linear-Gaussian model converges in one
 sweep to the Kalman smoother.
 
+``log_evidence`` is the EP evidence (``docs/math/ep.md#the-ep-evidence``): the exact
+log-likelihood of the linear-Gaussian model that the last sweep's projections fitted, by a Kalman
+filter run over it. It is the Kalman evidence on a linear-Gaussian model and, after one sweep
+(``max_iter=1``), the matching Gaussian filter's evidence.
+
 Example:
     >>> import torch
     >>> from pyro_smc import EPSmoother
@@ -45,6 +50,8 @@ Example:
     (torch.Size([30, 1]), True, True)
     >>> out.history[0].change
     inf
+    >>> bool(torch.isfinite(out.log_evidence)), out.log_evidence_increments.shape
+    (True, torch.Size([30]))
 
 References:
     Deisenroth, Mohamed (2012). Expectation propagation in Gaussian process dynamical systems.
@@ -60,6 +67,7 @@ from pyro_smc.infer.gaussian_smoothers import observation_status, observed_momen
 from pyro_smc.infer.projections import Projection, as_projection
 from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
 from pyro_smc.ops.gaussian import damp, is_proper, symmetrize, to_moment, to_natural
+from pyro_smc.ops.kalman import predict, update
 from pyro_smc.ops.results import EPIteration, GaussianSmootherResult
 
 __all__ = ["EPSmoother"]
@@ -108,6 +116,8 @@ class EPSmoother:
         (torch.Size([5, 1]), torch.Size([5, 1, 1]))
         >>> out.converged, torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
         (True, True)
+        >>> torch.allclose(out.log_evidence, ssm.log_evidence(ys), atol=1e-5)  # the Kalman evidence
+        True
     """
 
     def __init__(
@@ -147,8 +157,9 @@ class EPSmoother:
         J = torch.linalg.solve(cov, C).transpose(-1, -2)  # C^T P^{-1}
         return mean, J, M, S, symmetrize(S - J @ C)
 
-    def _measurement(self, cavity: Natural, y: Tensor, observed: Tensor | None, t: int) -> Natural:
-        """The measurement message of ``y``'s entries where ``observed`` (``None``: all of them)."""
+    def _measurement(self, cavity: Natural, y: Tensor, observed: Tensor | None, t: int) -> tuple[Natural, tuple]:
+        """The measurement message of ``y``'s entries where ``observed`` (``None``: all of them),
+        and the implicit linear model ``(J, c, noise, y_observed)`` it comes from."""
         mean, cov = to_moment(*cavity)
         mu, S_y, C = self._observation_projection.moments(self.ssm.observation_fn, mean, cov, t, self.ssm.observation_cov)
         if observed is not None:
@@ -159,7 +170,7 @@ class EPSmoother:
         # J^T E^{-1} [J, y - c] in one Cholesky solve.
         rhs = torch.cat([J, (y - c).unsqueeze(-1)], -1)
         sol = torch.cholesky_solve(rhs, torch.linalg.cholesky(noise))
-        return J.transpose(-1, -2) @ sol[:, -1], symmetrize(J.transpose(-1, -2) @ sol[:, :-1])
+        return (J.transpose(-1, -2) @ sol[:, -1], symmetrize(J.transpose(-1, -2) @ sol[:, :-1])), (J, c, noise, y)
 
     @staticmethod
     def _forward(lin, alpha: float) -> Natural:
@@ -183,7 +194,11 @@ class EPSmoother:
         Returns:
             :class:`~pyro_smc.ops.results.GaussianSmootherResult` with the EP marginals,
             ``first_sweep``, ``history`` (a tuple of :class:`~pyro_smc.ops.results.EPIteration`)
-            and ``converged``; ``log_evidence`` is ``None`` (EP does not estimate it).
+            ``converged``, the EP evidence ``log_evidence`` ``()`` and its per-step terms
+            ``log_evidence_increments`` ``(T,)`` (0 at a step without data): the Kalman
+            prediction-error decomposition on the last sweep's linearised model
+            (``docs/math/ep.md#the-ep-evidence``). A factor not refitted in the last sweep
+            (improper cavity) keeps its latest earlier linearisation.
         """
         ssm = self.ssm
         ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
@@ -191,10 +206,11 @@ class EPSmoother:
         sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), ys.shape[0], ssm.state_dim)
         history: list[EPIteration] = []
         first_sweep, previous, converged = None, None, False
+        models: list = [None] * (2 * ys.shape[0])  # the last sweep's measurement models, then transitions
         for sweep in range(self.max_iter):
             alpha = 1.0 if sweep == 0 else self.power
             gamma = 1.0 if sweep == 0 else self.damping
-            skipped = self._sweep(sites, ys, observed, status, alpha, gamma)
+            skipped = self._sweep(sites, ys, observed, status, alpha, gamma, models)
             means, covs = sites.moments()
             change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
             history.append(EPIteration(change, skipped))
@@ -204,11 +220,17 @@ class EPSmoother:
             if change < self.tol:
                 converged = True
                 break
-        return GaussianSmootherResult(means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged)
+        increments = _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, models, ys)
+        return GaussianSmootherResult(
+            means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged,
+            log_evidence=increments.sum(0), log_evidence_increments=increments,
+        )
 
-    def _sweep(self, sites: _Sites, ys: Tensor, observed: Tensor, status: list, alpha: float, gamma: float) -> int:
+    def _sweep(self, sites: _Sites, ys: Tensor, observed: Tensor, status: list, alpha: float, gamma: float, models: list) -> int:
         """One forward-backward pass of site updates; returns the number of updates skipped
-        because a cavity or the updated marginal was not a proper Gaussian."""
+        because a cavity or the updated marginal was not a proper Gaussian. Writes each step's
+        measurement model and transition linearisation computed in this sweep into ``models[t]``
+        and ``models[T + t]`` (an entry not computed keeps the previous sweep's)."""
         skipped = 0
         T = ys.shape[0]
         # The backward update at t uses the same cavity q(t) / q_bwd(t)^alpha as the forward
@@ -226,16 +248,38 @@ class EPSmoother:
             if status[t]:
                 cavity = sites.marginal(t, "meas", alpha)
                 if bool(is_proper(cavity[1])):
-                    update = self._measurement(cavity, ys[t], observed[t] if status[t] == 1 else None, t)
+                    update, models[t] = self._measurement(cavity, ys[t], observed[t] if status[t] == 1 else None, t)
                     skipped += not sites.accept("meas", t, update, gamma)
                 else:
                     skipped += 1
+        models[T:] = [new or kept for new, kept in zip(transitions, models[T:])]
         for t in range(T - 2, -1, -1):
             if transitions[t] is None:  # its cavity was improper in the forward sweep
                 skipped += 1
                 continue
             skipped += not sites.accept("bwd", t, self._backward(transitions[t], sites.marginal(t + 1, "fwd", alpha), alpha), gamma)
         return skipped
+
+
+def _ep_log_evidence_increments(init_mean: Tensor, init_cov: Tensor, models: list, ys: Tensor) -> Tensor:
+    """The EP evidence's terms ``(T,)`` (``docs/math/ep.md#the-ep-evidence``): the Kalman filter's
+    prediction-error decomposition on the implicit linear-Gaussian model of the last sweep, from
+    ``N(init_mean, init_cov)``. ``models[t]`` is ``(J, c, noise, y_observed)`` or ``None`` (no
+    observation), ``models[T + t]`` the transition ``(mean, J, M, S, noise)`` from ``t``."""
+    T = ys.shape[0]
+    m, P = init_mean, init_cov
+    increments = []
+    for t in range(T):
+        if t > 0:
+            mean, J, M, _, noise = models[T + t - 1]
+            m, P = predict(m, P, J, noise)
+            m = m + M - J @ mean
+        increment = ys.new_zeros(())
+        if models[t] is not None:
+            J, c, noise, y = models[t]
+            m, P, increment = update(m, P, y - c, J, noise)  # y - c = J x + v
+        increments.append(increment)
+    return torch.stack(increments) if increments else ys.new_zeros(0)
 
 
 class _Sites:

@@ -11,7 +11,8 @@ Conventions every result type here keeps:
   - Gaussian filters and smoothers (EKF/EKS, UKF/URTSS, GP-ADF/GP-RTSS,
     :class:`GaussianSmootherResult`): the Gaussian approximation given by the prediction-error
     decomposition, ``sum_t log N(y_t | mu_t, S_t)`` with the projected predictive moments.
-  - EP: ``None`` (not computed).
+  - EP: the exact evidence of the linear-Gaussian model fitted by the last sweep's projections
+    (``docs/math/ep.md#the-ep-evidence``).
   - SMC: an estimate whose exponential is unbiased for the evidence ``Z``.
   - The online variational filter: an ELBO, a lower bound.
 
@@ -142,8 +143,9 @@ class GaussianSmootherResult:
         history: for EP, one :class:`EPIteration` per sweep; empty otherwise.
         converged: whether EP stopped on ``tol`` (always ``True`` for filters and smoothers).
         log_evidence: the prediction-error decomposition of ``log p(y_{1:T})`` under the filter's
-            Gaussian approximation (filters and smoothers); ``None`` for EP.
-        log_evidence_increments: ``(T,)`` its per-step terms; ``None`` for EP.
+            Gaussian approximation (filters and smoothers); for EP, the same decomposition on the
+            linear-Gaussian model of the last sweep (``docs/math/ep.md#the-ep-evidence``).
+        log_evidence_increments: ``(T,)`` its per-step terms.
 
     Example:
         >>> import torch
