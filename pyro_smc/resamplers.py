@@ -203,19 +203,20 @@ class MultinomialResampler(_IndexResampler):
             not ``log_weights.shape``.
 
     Example:
+        Ancestors are drawn independently by the weights, so each particle's number of copies is
+        Binomial(N, w_i): on average ``N w_i``.
+
         >>> import torch
         >>> from pyro_smc.resamplers import MultinomialResampler
         >>> _ = torch.manual_seed(0)
-        >>> x, log_w = torch.randn(1000, 2), torch.randn(1000).log_softmax(-1)   # (N, d), (N,)
+        >>> w = torch.tensor([0.5, 0.3, 0.2, 0.0])
         >>> resampler = MultinomialResampler()
-        >>> new, new_log_w = resampler({"x": x}, log_w)
-        >>> new["x"].shape, new_log_w.shape
-        (torch.Size([1000, 2]), torch.Size([1000]))
-        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
-        >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
+        >>> new, new_log_w = resampler({"x": torch.arange(4.0).expand(2000, 4)}, w.log().expand(2000, 4))
+        >>> copies = torch.stack([(new["x"] == i).sum(-1) for i in range(4)], -1).float()   # (2000, 4)
+        >>> bool(((copies.mean(0) - 4 * w).abs() < 0.1).all())              # N w = (2, 1.2, 0.8, 0), s.e. <= 0.03
         True
-        >>> resampler.last_ancestors.shape, resampler.last_ancestors.dtype      # (N,)
-        (torch.Size([1000]), torch.int64)
+        >>> resampler.last_ancestors.shape, new_log_w.shape                    # (R, N) ancestors, equal weights
+        (torch.Size([2000, 4]), torch.Size([2000, 4]))
     """
 
     _scheme = staticmethod(_resample.multinomial)
@@ -237,16 +238,19 @@ class StratifiedResampler(_IndexResampler):
             not ``log_weights.shape``.
 
     Example:
+        With equal weights every stratum holds exactly one particle's share, so each particle is
+        kept once (multinomial resampling would duplicate some and drop others):
+
         >>> import torch
         >>> from pyro_smc.resamplers import StratifiedResampler
         >>> _ = torch.manual_seed(0)
-        >>> x, log_w = torch.randn(1000, 2), torch.randn(1000).log_softmax(-1)   # (N, d), (N,)
-        >>> new, new_log_w = StratifiedResampler()({"x": x}, log_w)
-        >>> new["x"].shape, new_log_w.shape
-        (torch.Size([1000, 2]), torch.Size([1000]))
-        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
-        >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
+        >>> x = torch.randn(8, 2)                                                # (N, d)
+        >>> resampler = StratifiedResampler()
+        >>> new, new_log_w = resampler({"x": x}, torch.full((8,), 1 / 8).log())
+        >>> torch.equal(resampler.last_ancestors.sort().values, torch.arange(8))
         True
+        >>> torch.equal(new["x"], x[resampler.last_ancestors]), torch.allclose(new_log_w.exp(), torch.full((8,), 1 / 8))
+        (True, True)
     """
 
     _scheme = staticmethod(_resample.stratified)
