@@ -111,22 +111,23 @@ def make_data(num_train: int, num_test: int, T: int, seed: int = 0) -> dict:
     return {"train": ys[:num_train], "train_lengths": lengths[:num_train], "test": ys[num_train:], "test_lengths": lengths[num_train:]}
 
 
-def held_out(model, guide, ys, lengths, num_particles: int, num_filters: int = 1) -> torch.Tensor:
-    """Per sequence ``log (1/K sum_k Z_hat_k)``, ``(H,)``."""
+def _log_evidences(model, guide, ys, lengths, num_particles: int, num_filters: int) -> torch.Tensor:
+    """``log Z_hat`` of ``K`` filters per held-out sequence, no gradient, ``(H, K)``."""
     K = num_filters
     with torch.no_grad():
         smc = SMC(model, guide, num_particles=num_particles, num_filters=ys.shape[0] * K)
         smc.run(ys.repeat_interleave(K, 0), lengths=lengths.repeat_interleave(K), batched=True)
-    return torch.logsumexp(smc.log_evidence.reshape(-1, K), -1) - math.log(K)
+    return smc.log_evidence.reshape(-1, K)
+
+
+def held_out(model, guide, ys, lengths, num_particles: int, num_filters: int = 1) -> torch.Tensor:
+    """Per sequence ``log (1/K sum_k Z_hat_k)``, ``(H,)``."""
+    return torch.logsumexp(_log_evidences(model, guide, ys, lengths, num_particles, num_filters), -1) - math.log(num_filters)
 
 
 def held_out_elbo(model, guide, ys, lengths, num_particles: int, num_filters: int) -> torch.Tensor:
     """Per sequence ``mean_k log Z_hat_k`` (the ELBO of the filter), ``(H,)``."""
-    K = num_filters
-    with torch.no_grad():
-        smc = SMC(model, guide, num_particles=num_particles, num_filters=ys.shape[0] * K)
-        smc.run(ys.repeat_interleave(K, 0), lengths=lengths.repeat_interleave(K), batched=True)
-    return smc.log_evidence.reshape(-1, K).mean(-1)
+    return _log_evidences(model, guide, ys, lengths, num_particles, num_filters).mean(-1)
 
 
 def train(name: str, seed: int, data: dict, args) -> dict:
