@@ -105,12 +105,10 @@ def observation_schedule(observations: Tensor, num_filters: int, lengths: Tensor
     T = observations.shape[0]
     if not observations.is_floating_point():
         return [StepInput(observations[t], False) for t in range(T)]
-    flat = observations.reshape(T, -1)
-    nan = torch.isnan(flat)
-    missing = (nan.all(-1) & (flat.shape[-1] > 0)).tolist()
-    partly = set((nan.any(-1) & ~nan.all(-1)).nonzero()[:, 0].tolist())
-    for t in torch.isinf(flat).any(-1).nonzero()[:, 0].tolist():
+    row_missing, partly, _, inf = _row_status(observations.reshape(T, -1), torch.zeros(T, dtype=torch.bool, device=observations.device))
+    for t in inf.nonzero()[:, 0].tolist():
         check_finite_args((observations[t],), {}, f"time step {t}")
+    missing, partly = row_missing.tolist(), set(partly.nonzero()[:, 0].tolist())
     schedule = []
     for t in range(T):
         y, observed = observations[t], None
@@ -118,6 +116,25 @@ def observation_schedule(observations: Tensor, num_filters: int, lengths: Tensor
             (y,), observed = fill_missing((y,), False)
         schedule.append(StepInput(y, missing[t], observed))
     return schedule
+
+
+def _row_status(flat: Tensor, padded: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The one rule for what a step's observation row is, shared by single and batched runs.
+
+    Args:
+        flat: observation rows ``(..., T, k)``.
+        padded: bool ``(..., T)``, rows past a sequence's end (never read).
+
+    Returns:
+        ``(missing, partly, nan, inf)``: rows with nothing to score (all NaN, or padded), rows with
+        some entries NaN, the NaN entries ``(..., T, k)`` of unpadded rows, and unpadded rows
+        holding an inf.
+    """
+    nan = torch.isnan(flat) & ~padded.unsqueeze(-1)
+    missing = (nan.all(-1) & (flat.shape[-1] > 0)) | padded
+    partly = nan.any(-1) & ~missing
+    inf = torch.isinf(flat).any(-1) & ~padded
+    return missing, partly, nan, inf
 
 
 def _batched_schedule(observations: Tensor, num_filters: int, lengths) -> list[StepInput]:
@@ -132,10 +149,8 @@ def _batched_schedule(observations: Tensor, num_filters: int, lengths) -> list[S
     flat = observations.reshape(B, T, -1)
     padded = torch.arange(T, device=observations.device) >= lengths.unsqueeze(-1)  # (B, T)
     if observations.is_floating_point():
-        nan = torch.isnan(flat) & ~padded.unsqueeze(-1)
-        row_missing = (nan.all(-1) & (flat.shape[-1] > 0)) | padded
-        partly = nan.any(-1) & ~row_missing
-        bad = (torch.isinf(flat).any(-1) & ~padded).nonzero().tolist()
+        row_missing, partly, nan, inf = _row_status(flat, padded)
+        bad = inf.nonzero().tolist()
         if bad:
             b, t = bad[0]
             raise ValueError(f"observation at time step {t} contains inf (sequence {b})")
