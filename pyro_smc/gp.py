@@ -9,10 +9,15 @@ Hyperparameters are ``PyroParam``\\ s constrained positive (optimised in log spa
 
 Predictions (:meth:`~MultiOutputGP.predict`, :meth:`~MultiOutputGP.predict_moments`,
 :meth:`~MultiOutputGP.linearize`) are of the latent ``f``; ``noisy=True`` adds ``sigma_a^2``. They
-use a cached posterior (Cholesky-based ``beta`` and ``(K + sigma^2 I)^{-1}``), recomputed whenever the
-hyperparameters or data change, and treat hyperparameters as constants (no gradient flows to
-them; differentiate :meth:`~MultiOutputGP.log_marginal_likelihood` instead). Gradients with
-respect to the inputs ``x``, ``mean`` and ``cov`` do flow.
+are differentiable in the inputs ``x``, ``mean`` and ``cov``, in the hyperparameters and in the
+data ``X``, ``Y`` (when made parameters, e.g. ``gp.X = torch.nn.Parameter(X)``), so the
+hyperparameters can be fitted by maximising an evidence computed from the predictions (the
+``log_evidence`` of :func:`~pyro_smc.infer.gp_rtss` or of :class:`~pyro_smc.EPSmoother`). The
+posterior (Cholesky-based ``beta`` and ``(K + sigma^2 I)^{-1}``) is computed with its autograd
+graph whenever gradients are enabled and one of its inputs requires grad; otherwise it is
+computed without a graph and cached until the hyperparameters or data change. Inside
+:meth:`~MultiOutputGP.pinned_posterior` (or :func:`pinned_posteriors`) it is computed once and
+shared by every prediction, which is how the Gaussian smoothers use it.
 See ``docs/math/ep.md#gp-regression-with-se-ard-kernels`` and ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input``.
 
 Example:
@@ -33,7 +38,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -41,9 +48,10 @@ from pyro.nn import PyroModule, PyroParam
 from torch import Tensor
 from torch.distributions import constraints
 
+from pyro_smc.models.nonlinear_gaussian import is_gp
 from pyro_smc.ops.gp_moments import se_ard_kernel, se_ard_linearize, se_ard_moments, se_ard_predict
 
-__all__ = ["MultiOutputGP"]
+__all__ = ["MultiOutputGP", "pinned_posteriors"]
 
 
 class _Posterior(NamedTuple):
@@ -88,6 +96,14 @@ class MultiOutputGP(PyroModule):
     ``predict(x)`` with ``x`` ``(m, D)`` returns the predictive means and variances, each
     ``(m, E)``; ``predict_moments(mean (D,), cov (D, D))`` returns ``(M (E,), V (E, E),
     C (D, E))`` at a Gaussian input.
+
+    All predictions are differentiable in the hyperparameters (through their unconstrained
+    parameters) and in ``X`` and ``Y`` when these are made parameters (``gp.X =
+    torch.nn.Parameter(X)`` or a ``PyroParam``), as well as in ``x``, ``mean`` and ``cov``.
+    With gradients enabled and such an input requiring grad, every call rebuilds the posterior
+    with its graph (and caches nothing); a long pass of predictions should run inside
+    :meth:`pinned_posterior` to build it once. Under ``torch.no_grad()``, or when nothing
+    requires grad, the posterior is computed without a graph and cached.
 
     Raises:
         ValueError: ``X`` is not ``(n, D)``, ``Y`` does not match it, an entry is not finite,
@@ -149,6 +165,7 @@ class MultiOutputGP(PyroModule):
             noise = 0.1 * self.variance.detach()
         self.noise = PyroParam(_hyperparameter("noise", noise, (E,), X), constraints.positive)
         self._cache: tuple[tuple, _Posterior] | None = None
+        self._pinned: _Posterior | None = None
 
     @property
     def input_dim(self) -> int:
@@ -223,20 +240,74 @@ class MultiOutputGP(PyroModule):
         self._cache = None
         return history
 
+    def _posterior_needs_graph(self, hyper: tuple[Tensor, Tensor, Tensor]) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (*hyper, self.X, self.Y))
+
+    def _compute_posterior(self, X: Tensor, Y: Tensor, hyper: tuple[Tensor, Tensor, Tensor]) -> _Posterior:
+        L = self._gram_cholesky(*hyper)
+        beta = torch.cholesky_solve(Y.T.unsqueeze(-1), L).squeeze(-1)
+        return _Posterior(X, beta, torch.cholesky_inverse(L), *hyper)
+
     def _posterior(self) -> _Posterior:
+        pinned = getattr(self, "_pinned", None)
+        if pinned is not None:
+            return pinned
+        hyper = (self.lengthscale, self.variance, self.noise)
+        if self._posterior_needs_graph(hyper):
+            # Differentiable in the hyperparameters and data: built with its graph and never
+            # cached (a cached graph would be backpropagated through twice, or keep stale values).
+            return self._compute_posterior(self.X, self.Y, hyper)
         # Cached under the current hyperparameter values and data (compared by value and version).
         with torch.no_grad():
-            hyper = (self.lengthscale.detach(), self.variance.detach(), self.noise.detach())
+            hyper = tuple(h.detach() for h in hyper)
             key = (self.X.data_ptr(), self.X._version, self.Y.data_ptr(), self.Y._version, self.X.dtype, self.X.device, self.jitter)
             if self._cache is not None:
                 old_key, post = self._cache
                 if old_key == key and all(torch.equal(h, c) for h, c in zip(hyper, post[3:])):
                     return post
-            L = self._gram_cholesky(*hyper)
-            beta = torch.cholesky_solve(self.Y.T.unsqueeze(-1), L).squeeze(-1)
-            post = _Posterior(self.X.detach(), beta, torch.cholesky_inverse(L), *(h.clone() for h in hyper))
+            post = self._compute_posterior(self.X.detach(), self.Y.detach(), tuple(h.clone() for h in hyper))
         self._cache = (key, post)
         return post
+
+    @contextlib.contextmanager
+    def pinned_posterior(self) -> Iterator[MultiOutputGP]:
+        """Within the ``with`` block, every prediction shares one posterior, computed on entry.
+
+        An engine makes two projections per time step and sweep (``2T`` per sweep). When the
+        posterior carries an autograd graph (gradients enabled and a hyperparameter, ``X`` or
+        ``Y`` requiring grad) it is not cached, so without the pin each projection would
+        recompute the ``n x n`` Cholesky factor and keep its own copy of the graph: ``T`` times
+        the time and memory of one. Pinned, the factor is computed once, and its graph is shared
+        by all the predictions (so backpropagate through them together, once). The posterior is
+        computed with a graph by the same rule as outside the pin, as it stands on entry:
+        changing the hyperparameters or data inside the block has no effect until it is left,
+        where the pin is dropped. Re-entrant: a nested ``with`` on the same GP reuses the outer
+        pin.
+
+        Yields:
+            This GP.
+
+        Example:
+            >>> import torch
+            >>> from pyro_smc.gp import MultiOutputGP
+            >>> X = torch.linspace(-2, 2, 10, dtype=torch.float64).unsqueeze(-1)
+            >>> gp = MultiOutputGP(X, X.sin(), noise=1e-3)
+            >>> with gp.pinned_posterior():                       # one Cholesky for both calls
+            ...     m1, v1 = gp.predict(X[:2])
+            ...     M, V, C = gp.predict_moments(torch.zeros(1, dtype=torch.float64), 0.1 * torch.eye(1, dtype=torch.float64))
+            >>> loss = -(m1.sum() + M.sum())
+            >>> loss.backward()                                   # reaches the hyperparameters
+            >>> bool(gp.lengthscale_unconstrained.grad.abs().sum() > 0)
+            True
+        """
+        if getattr(self, "_pinned", None) is not None:
+            yield self
+            return
+        self._pinned = self._posterior()
+        try:
+            yield self
+        finally:
+            self._pinned = None
 
     def _as_input(self, name: str, value: Tensor, event_dims: int) -> Tensor:
         value = torch.as_tensor(value, dtype=self.X.dtype, device=self.X.device)
@@ -281,3 +352,37 @@ class MultiOutputGP(PyroModule):
         cov = self._as_input("cov", cov, 2)
         post = self._posterior()
         return se_ard_moments(mean, cov, *post[:5], noise=post.noise if noisy else None, chunk_size=chunk_size)
+
+
+def pinned_posteriors(*fns: object):  # -> contextlib.ExitStack (not in the docs' offline inventory)
+    """A context manager that pins the posterior of every GP among ``fns`` (see
+    :meth:`MultiOutputGP.pinned_posterior`).
+
+    Arguments that are not GP posteriors (plain callables, ``None``), or GP-like objects without
+    a ``pinned_posterior`` method, are ignored; a GP given twice is pinned once (re-entrant).
+    The pins are taken when it is called, so call it in the ``with`` statement itself.
+
+    Args:
+        *fns: the components of a model, e.g. ``ssm.transition_fn, ssm.observation_fn``.
+
+    Returns:
+        A ``contextlib.ExitStack`` holding the pins; they are dropped when it exits.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.gp import MultiOutputGP, pinned_posteriors
+        >>> X = torch.linspace(-2, 2, 10, dtype=torch.float64).unsqueeze(-1)
+        >>> gp = MultiOutputGP(X, X.sin(), noise=1e-3)
+        >>> with pinned_posteriors(gp, torch.sin):                # torch.sin is not a GP: ignored
+        ...     mean, var = gp.predict(X[:3])
+        ...     mean_again, _ = gp.predict(X[:3])
+        >>> torch.equal(mean, mean_again), gp._pinned is None
+        (True, True)
+    """
+    stack = contextlib.ExitStack()
+    with stack:  # pins entered so far are released if a later one fails
+        for fn in fns:
+            pin = getattr(fn, "pinned_posterior", None) if is_gp(fn) else None
+            if pin is not None:
+                stack.enter_context(pin())
+        return stack.pop_all()

@@ -19,6 +19,10 @@ step reads like its equations:
 These are written in moment form independently of :class:`pyro_smc.EPSmoother` (natural-form
 messages), whose first sweep must reproduce them: that agreement is a test. All of them
 return :class:`GaussianSmootherResult` with ``log_evidence`` (the prediction-error decomposition).
+With :class:`~pyro_smc.gp.MultiOutputGP` components each pass computes each GP posterior once
+(:func:`~pyro_smc.gp.pinned_posteriors`), and ``log_evidence`` is differentiable in the GP
+hyperparameters (and in ``X``, ``Y`` when they are parameters): GP-ADF/GP-RTSS evidence
+maximisation.
 Missing data follow the rule of :mod:`pyro_smc.models.protocol`: a step whose observation is
 all NaN (or ``None`` in a list) is predicted only; a partly NaN one is conditioned on its
 observed entries.
@@ -43,6 +47,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.projections import Projection, Unscented, as_projection
 from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
 from pyro_smc.ops.gaussian import symmetrize
@@ -84,6 +89,14 @@ def observed_moments(y: Tensor, observed: Tensor, mu: Tensor, S: Tensor, C: Tens
 
 
 def _filter(ssm: GaussianStateSpaceModel, observations, projection: Projection):
+    # Each GP component's posterior is computed once for the pass (with its autograd graph when
+    # the hyperparameters require grad, so that log_evidence is differentiable in them), not
+    # once per projection.
+    with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
+        return _filter_pinned(ssm, observations, projection)
+
+
+def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Projection):
     transition, observation = projection.for_factor("transition"), projection.for_factor("observation")
     ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
     status = observation_status(observed)
