@@ -1,9 +1,10 @@
 """Inference algorithms: :class:`SMC` and its loss :class:`SMCELBO`; :class:`EPSmoother` and the
 Gaussian filters and smoothers it refines, with their projections (:class:`Linearization`,
 :class:`Unscented`, :class:`MomentMatching`, subclasses of :class:`Projection`);
-:class:`OnlineVariationalFilter`."""
+:func:`fit_evidence` to learn a model's parameters from the evidence; :class:`OnlineVariationalFilter`."""
 
 from pyro_smc.infer.ep_smoother import EPSmoother
+from pyro_smc.infer.evidence_fit import fit_evidence
 from pyro_smc.infer.gaussian_smoothers import (
     GaussianSmootherResult,
     extended_kalman_filter,
@@ -32,6 +33,7 @@ __all__ = [
     "Unscented",
     "SMCFailedError",
     "extended_kalman_filter",
+    "fit_evidence",
     "extended_rts_smoother",
     "gaussian_filter",
     "gaussian_smoother",

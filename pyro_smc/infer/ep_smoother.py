@@ -60,17 +60,23 @@ References:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
+from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.gaussian_smoothers import observation_status, observed_moments
 from pyro_smc.infer.projections import Projection, as_projection
 from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
 from pyro_smc.ops.gaussian import damp, is_proper, symmetrize, to_moment, to_natural
+from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.kalman import predict, update
 from pyro_smc.ops.results import EPIteration, GaussianSmootherResult
 
 __all__ = ["EPSmoother"]
+
+GRADIENTS = ("implicit", "unrolled")
 
 Natural = tuple[Tensor, Tensor]
 
@@ -129,6 +135,7 @@ class EPSmoother:
         power: float = 1.0,
         tol: float = 1e-6,
         unscented: dict | None = None,
+        gradient: str = "implicit",
     ):
         strategy = as_projection(projection, unscented)
         if int(max_iter) < 1:
@@ -138,6 +145,8 @@ class EPSmoother:
                 raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
         if not tol > 0:
             raise ValueError(f"tol must be > 0, got {tol!r}")
+        if gradient not in GRADIENTS:
+            raise ValueError(f"gradient must be one of {GRADIENTS}, got {gradient!r}")
         self.ssm = ssm
         self.projection = projection
         self.max_iter = int(max_iter)
@@ -145,6 +154,7 @@ class EPSmoother:
         self.power = float(power)
         self.tol = float(tol)
         self.unscented = unscented
+        self.gradient = gradient
         self.strategy = strategy
         self._transition_projection = strategy.for_factor("transition")
         self._observation_projection = strategy.for_factor("observation")
@@ -199,10 +209,33 @@ class EPSmoother:
             prediction-error decomposition on the last sweep's linearised model
             (``docs/math/ep.md#the-ep-evidence``). A factor not refitted in the last sweep
             (improper cavity) keeps its latest earlier linearisation.
+
+            With ``gradient="implicit"`` (and ``max_iter > 1``) the means, covariances and
+            evidence are differentiable in every tensor the model uses, by implicit
+            differentiation at the fixed point (``docs/math/ep.md#the-gradient-of-the-ep-evidence``);
+            ``first_sweep`` is then detached. If EP did not converge, their backward pass raises.
         """
         ssm = self.ssm
         ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
         status = observation_status(observed)
+        implicit = self.gradient == "implicit" and self.max_iter > 1 and torch.is_grad_enabled()
+        with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
+            # Implicit mode iterates without a graph; the gradient comes from one more sweep.
+            with torch.no_grad() if implicit else contextlib.nullcontext():
+                sites, models, history, first_sweep, converged = self._iterate(ys, observed, status)
+                means, covs = sites.moments()
+                increments = _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, models, ys)
+            if implicit:
+                means, covs, increments = self._with_implicit_gradient(sites, models, (means, covs, increments), ys, observed, status, history, converged)
+        return GaussianSmootherResult(
+            means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged,
+            log_evidence=increments.sum(0), log_evidence_increments=increments,
+        )
+
+    def _iterate(self, ys: Tensor, observed: Tensor, status: list):
+        """The EP sweeps until ``tol`` or ``max_iter``: the sites, the last sweep's models, the
+        history, the first sweep's result and whether EP converged."""
+        ssm = self.ssm
         sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), ys.shape[0], ssm.state_dim)
         history: list[EPIteration] = []
         first_sweep, previous, converged = None, None, False
@@ -220,11 +253,46 @@ class EPSmoother:
             if change < self.tol:
                 converged = True
                 break
-        increments = _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, models, ys)
-        return GaussianSmootherResult(
-            means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged,
-            log_evidence=increments.sum(0), log_evidence_increments=increments,
-        )
+        return sites, models, history, first_sweep, converged
+
+    def _with_implicit_gradient(self, sites: _Sites, models: list, values: tuple, ys: Tensor, observed: Tensor, status: list, history: list, converged: bool) -> tuple:
+        """``values`` (means, covariances, evidence terms of the converged EP) carrying the implicit
+        gradient: the fixed point ``theta* = F(theta*)`` of one sweep ``F`` is differentiated through
+        one sweep with the graph, and the evidence is refitted at the result by a second one.
+        The values themselves stay those of the iteration."""
+        ssm = self.ssm
+        T, d = ys.shape[0], ssm.state_dim
+        prior = to_natural(ssm.init_mean, ssm.init_cov)
+        skipped = []
+
+        def sweep(theta: Tensor, fitted: list | None = None) -> Tensor:
+            at = _Sites.unpack(prior, theta, T, d, status)
+            skipped.append(self._sweep(at, ys, observed, status, self.power, self.damping, list(models) if fitted is None else fitted))
+            return at.pack()
+
+        def error() -> str | None:
+            if not converged:
+                return (
+                    f"EPSmoother: EP did not converge in max_iter={self.max_iter} sweeps (last change "
+                    f"{history[-1].change:.3g} > tol={self.tol:g}), so its result is not a fixed point and the "
+                    "implicit gradient would be wrong; raise max_iter, damp (damping < 1) or use power < 1, "
+                    'or differentiate the sweeps themselves with gradient="unrolled"'
+                )
+            if sum(skipped):  # a skipped update is the identity map, not the fixed-point equation
+                return "EPSmoother: an EP update was skipped at the fixed point (improper cavity), so the implicit gradient is undefined"
+            return None
+
+        theta = sites.pack()
+        adjoint_tol = max(self.tol, 100 * torch.finfo(theta.dtype).eps)
+        z = implicit_fixed_point(sweep, theta, tol=adjoint_tol, max_iter=max(2 * self.max_iter, 50), error=error)
+        if not z.requires_grad:
+            return values  # no tensor of the model requires grad: nothing to differentiate
+        fitted = list(models)
+        sweep(z, fitted)
+        at = _Sites.unpack(prior, z, T, d, status)
+        grad_values = (*at.moments(), _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, fitted, ys))
+        # The iteration's values with the gradient of the implicit construction.
+        return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, grad_values))
 
     def _sweep(self, sites: _Sites, ys: Tensor, observed: Tensor, status: list, alpha: float, gamma: float, models: list) -> int:
         """One forward-backward pass of site updates; returns the number of updates skipped
@@ -282,6 +350,9 @@ def _ep_log_evidence_increments(init_mean: Tensor, init_cov: Tensor, models: lis
     return torch.stack(increments) if increments else ys.new_zeros(0)
 
 
+_KINDS = ("fwd", "meas", "bwd")
+
+
 class _Sites:
     """EP's three Gaussian site messages per time step, in natural form: ``fwd`` (the transition
     from ``t - 1``), ``meas`` (the observation) and ``bwd`` (the transition to ``t + 1``)."""
@@ -309,6 +380,27 @@ class _Sites:
             gamma /= 2
         messages[t] = old
         return False
+
+    def pack(self) -> Tensor:
+        """All messages as one vector: ``eta`` ``(3, T, d)`` then ``Lambda`` ``(3, T, d, d)``, flattened."""
+        eta = torch.stack([torch.stack([m[0] for m in self.messages[k]]) for k in _KINDS])
+        lam = torch.stack([torch.stack([m[1] for m in self.messages[k]]) for k in _KINDS])
+        return torch.cat([eta.reshape(-1), lam.reshape(-1)])
+
+    @classmethod
+    def unpack(cls, prior: Natural, theta: Tensor, T: int, d: int, status: list) -> _Sites:
+        """The sites of a :meth:`pack` vector. The messages no sweep updates are constants, not
+        entries of ``theta``: the first forward message (the prior, the model's), the last
+        backward one and the measurement messages of steps without data (all zero). As entries
+        of ``theta`` they would be fixed points of every map, so the adjoint iteration could not
+        converge on them."""
+        sites = cls(prior, T, d)
+        eta, lam = theta[: 3 * T * d].reshape(3, T, d), theta[3 * T * d :].reshape(3, T, d, d)
+        updated = {"fwd": range(1, T), "meas": [t for t in range(T) if status[t]], "bwd": range(T - 1)}
+        for i, kind in enumerate(_KINDS):
+            for t in updated[kind]:
+                sites.messages[kind][t] = (eta[i, t], lam[i, t])
+        return sites
 
     def moments(self) -> tuple[Tensor, Tensor]:
         """The marginals' means ``(T, d)`` and covariances ``(T, d, d)``."""

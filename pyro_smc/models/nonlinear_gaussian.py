@@ -52,6 +52,8 @@ def _ignore_time(fn: Callable) -> Callable[[Tensor, int], Tensor]:
 
 
 def _takes_time(fn: Callable) -> bool:
+    if isinstance(fn, torch.nn.Module):  # its __call__ is (*args, **kwargs); forward says what it takes
+        fn = fn.forward
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature take x only
