@@ -40,7 +40,7 @@ ORDER = [
     "bench_smcfilter.py", "bench_ot_cost.py", "bench_sinkhorn.py", "bench_param_estimation.py", "bench_estimators.py", "bench_estimators_proposal.py",
     "bench_deep_ssm.py",
     "bench_ep_growth.py",
-    "bench_ep_pendulum.py", "bench_ep_gp.py", "bench_ep_speed.py", "bench_bnn_digits.py", "bench_bnn_regression.py",
+    "bench_ep_pendulum.py", "bench_ep_gp.py", "bench_ep_speed.py", "bench_ep_learning.py", "bench_bnn_digits.py", "bench_bnn_regression.py",
     "bench_wheel_bandit.py", "bench_online_flat_cost.py", "bench_online_param_learning.py", "bench_online_chaotic_rnn.py",
     "bench_gpu.py",
 ]
