@@ -28,8 +28,9 @@ the tilted distribution is exactly Gaussian, so each new message has a closed fo
 Every message is then positive semi-definite by construction, and a cavity is proper as long as
 ``q_fwd`` is (it is a prediction). The first sweep runs with ``alpha = 1`` and no damping and
 equals the matching Gaussian smoother (EKS, URTSS, GP-RTSS); later sweeps use ``power`` and
-``damping`` and refine the linearisation points. A linear-Gaussian model converges in one
-sweep to the Kalman smoother.
+``damping`` and refine the linearisation points. With ``power=1`` a linear-Gaussian model
+converges in one sweep to the Kalman smoother (``power < 1`` keeps its means but not its
+covariances: ``docs/math/ep.md#power-ep``).
 
 ``log_evidence`` is the EP evidence (``docs/math/ep.md#the-ep-evidence``): the exact
 log-likelihood of the linear-Gaussian model that the last sweep's projections fitted, by a Kalman
@@ -98,14 +99,21 @@ class EPSmoother:
         tol: stop when no marginal's mean or covariance entry changed by more than this.
         unscented: deprecated (``FutureWarning``): sigma-point settings, one dict or
             ``{"transition": {...}, "observation": {...}}``; use ``projection=Unscented(...)``.
+        gradient: how the results are differentiated in the model's tensors (its parameters):
+            ``"implicit"`` (default) by implicit differentiation at the EP fixed point, with the
+            memory of two sweeps whatever the number of sweeps; the backward pass raises if EP did
+            not converge. ``"unrolled"`` through every recorded sweep (memory linear in the
+            sweeps; exact for the truncated iteration; the implicit gradient's test oracle).
+            ``docs/math/ep.md#the-gradient-of-the-ep-evidence``. With ``max_iter=1`` both
+            differentiate the single sweep.
 
     An update whose cavity is not a proper Gaussian is skipped; one that would make the marginal
     improper is retried with the damping halved (up to three times) and then skipped. Both are
     counted in ``history[k].skipped``.
 
     Raises:
-        ValueError: ``max_iter < 1``, ``damping`` or ``power`` outside ``(0, 1]``, ``tol <= 0``
-            or an unknown projection name.
+        ValueError: ``max_iter < 1``, ``damping`` or ``power`` outside ``(0, 1]``, ``tol <= 0``,
+            an unknown projection name or an unknown ``gradient``.
 
     Example:
         On a linear-Gaussian model EP converges to the Kalman (RTS) smoother:
@@ -123,6 +131,16 @@ class EPSmoother:
         >>> out.converged, torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
         (True, True)
         >>> torch.allclose(out.log_evidence, ssm.log_evidence(ys), atol=1e-5)  # the Kalman evidence
+        True
+
+        The evidence is differentiable in the model's tensors; here its gradient is the Kalman score:
+
+        >>> a = torch.tensor(0.5, requires_grad=True)
+        >>> def lin():                        # a new graph from ``a`` for each backward pass
+        ...     return LinearGaussianSSM(a * eye, eye, eye, eye, torch.zeros(1), eye)
+        >>> grad, = torch.autograd.grad(EPSmoother(lin()).smooth(ys).log_evidence, a)
+        >>> score, = torch.autograd.grad(lin().log_evidence(ys), a)
+        >>> torch.allclose(grad, score, atol=1e-5)
         True
     """
 

@@ -19,12 +19,13 @@ parts are ``PyroParam``s or ``nn.Parameter``s: a transition or observation map t
 (``ssm.transition_cov = PyroParam(Q0, constraint=constraints.positive_definite)``), or the
 hyperparameters and data of a :class:`~pyro_smc.gp.MultiOutputGP`. The gradient comes from
 implicit differentiation at the EP fixed point, so its memory does not depend on the number of
-sweeps; an EP run that did not converge is never differentiated (see ``on_nonconvergence``).
+sweeps; an EP run that did not converge is never differentiated implicitly (see
+``on_nonconvergence``).
 """
 
 from __future__ import annotations
 
-import math
+import copy
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
@@ -41,7 +42,7 @@ def fit_evidence(
     optimizer: torch.optim.Optimizer | None = None,
     lr: float = 0.05,
     params: Iterable[Tensor] | None = None,
-    on_nonconvergence: str = "skip",
+    on_nonconvergence: str = "raise",
     callback: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Maximises the smoother's ``log_evidence`` over the model's parameters.
@@ -57,18 +58,26 @@ def fit_evidence(
         optimizer: a torch optimiser over the parameters (default ``Adam(params, lr)``).
         lr: Adam's learning rate when no ``optimizer`` is given.
         params: the tensors to fit (default ``smoother.ssm.parameters()``).
-        on_nonconvergence: ``"skip"`` (the step is not taken, its loss is recorded as NaN and a
-            warning at the end counts such steps) or ``"raise"`` (a ``RuntimeError`` naming the
-            step and the sequence).
+        on_nonconvergence: what a step does when EP stopped at ``max_iter`` without reaching
+            ``tol`` on some sequence, so that its result is not a fixed point and has no implicit
+            gradient: ``"raise"`` (a ``RuntimeError`` naming the step and the sequence) or
+            ``"unrolled"`` (that sequence is rerun with ``gradient="unrolled"``: the step follows
+            the gradient of the evidence of the sweeps as run, and a warning at the end counts
+            such steps). Skipping the step would not help: EP is deterministic, so the same
+            parameters would fail again at every later step.
         callback: called as ``callback(step, loss)`` after every step.
 
     Returns:
-        The loss ``-sum log_evidence / total number of time steps`` at every step (NaN where the
-        step was skipped), as floats.
+        The loss ``-sum log_evidence / total number of time steps`` at every step, as floats.
 
     Raises:
         ValueError: ``num_steps < 0``, an unknown ``on_nonconvergence``, or no parameters.
         RuntimeError: a non-converged EP run with ``on_nonconvergence="raise"``.
+
+    A model that is a ``PyroModule`` and has also run under :class:`~pyro_smc.SMC` or SVI has its
+    parameters in Pyro's global parameter store, by name: a second instance of the same class
+    then reads the first one's values. Fit a fresh instance after ``pyro.clear_param_store()``, or
+    set ``pyro.settings.set(module_local_params=True)``.
 
     Example:
         Learning the drift coefficient ``b`` of ``x_{t+1} = 0.8 x_t + b sin(x_t) + w_t``:
@@ -94,8 +103,8 @@ def fit_evidence(
     """
     if int(num_steps) < 0:
         raise ValueError(f"num_steps must be >= 0, got {num_steps!r}")
-    if on_nonconvergence not in ("skip", "raise"):
-        raise ValueError(f"on_nonconvergence must be 'skip' or 'raise', got {on_nonconvergence!r}")
+    if on_nonconvergence not in ("raise", "unrolled"):
+        raise ValueError(f"on_nonconvergence must be 'raise' or 'unrolled', got {on_nonconvergence!r}")
     sequences = [observations] if isinstance(observations, Tensor) else list(observations)
     length = sum(len(y) for y in sequences)
     if optimizer is None:
@@ -107,27 +116,33 @@ def fit_evidence(
     # have an exact gradient whether or not EP has converged.
     needs_fixed_point = getattr(smoother, "gradient", "implicit") == "implicit" and getattr(smoother, "max_iter", 2) > 1
     losses: list[float] = []
-    skipped = 0
+    unrolled = 0
     with torch.enable_grad():
         for step in range(int(num_steps)):
             optimizer.zero_grad()
             results = [smoother.smooth(y) for y in sequences]
             stuck = [i for i, r in enumerate(results) if needs_fixed_point and not r.converged]
+            if stuck and on_nonconvergence == "raise":
+                raise RuntimeError(
+                    f"fit_evidence: at step {step}, EP did not converge on sequence {stuck[0]} (last change "
+                    f"{results[stuck[0]].history[-1].change:.3g} > tol); raise max_iter, damp the smoother (damping < 1, "
+                    'power < 1), or pass on_nonconvergence="unrolled"'
+                )
             if stuck:
-                if on_nonconvergence == "raise":
-                    raise RuntimeError(
-                        f"fit_evidence: at step {step}, EP did not converge on sequence {stuck[0]} "
-                        f"(last change {results[stuck[0]].history[-1].change:.3g}); raise max_iter or damp the smoother"
-                    )
-                skipped += 1
-                losses.append(math.nan)
-            else:
-                loss = -sum(r.log_evidence for r in results) / length
-                loss.backward()
-                optimizer.step()
-                losses.append(float(loss.detach()))
+                unrolled += 1
+                fallback = copy.copy(smoother)
+                fallback.gradient = "unrolled"
+                for i in stuck:
+                    results[i] = fallback.smooth(sequences[i])
+            loss = -sum(r.log_evidence for r in results) / length
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
             if callback is not None:
                 callback(step, losses[-1])
-    if skipped:
-        warnings.warn(f"fit_evidence: {skipped} of {num_steps} steps were skipped because EP did not converge", RuntimeWarning, stacklevel=2)
+    if unrolled:
+        warnings.warn(
+            f"fit_evidence: in {unrolled} of {num_steps} steps EP did not converge and the step followed the unrolled gradient of its sweeps",
+            RuntimeWarning, stacklevel=2,
+        )
     return losses
