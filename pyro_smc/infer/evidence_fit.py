@@ -74,10 +74,12 @@ def fit_evidence(
         ValueError: ``num_steps < 0``, an unknown ``on_nonconvergence``, or no parameters.
         RuntimeError: a non-converged EP run with ``on_nonconvergence="raise"``.
 
-    A model that is a ``PyroModule`` and has also run under :class:`~pyro_smc.SMC` or SVI has its
-    parameters in Pyro's global parameter store, by name: a second instance of the same class
-    then reads the first one's values. Fit a fresh instance after ``pyro.clear_param_store()``, or
-    set ``pyro.settings.set(module_local_params=True)``.
+    A ``PyroModule`` keeps its parameters in Pyro's global parameter store, by name, once it has
+    been called (building a ``NonlinearGaussianSSM`` calls its maps): a second instance of the
+    same class then silently takes over the first one's parameter tensors, so its fit starts from
+    (and updates) their values, not its own initial ones. Build the model to fit after
+    ``pyro.clear_param_store()``, or set ``pyro.settings.set(module_local_params=True)`` before
+    creating any module.
 
     Example:
         Learning the drift coefficient ``b`` of ``x_{t+1} = 0.8 x_t + b sin(x_t) + w_t``:
@@ -94,7 +96,7 @@ def fit_evidence(
         ...     def forward(self, x):
         ...         return 0.8 * x + self.b * torch.sin(x)
         >>> one = torch.eye(1)
-        >>> truth = NonlinearGaussianSSM(Drift(1.0), 0.5 * one, lambda x: x, 0.3 * one, torch.zeros(1), one)
+        >>> truth = NonlinearGaussianSSM(lambda x: 0.8 * x + torch.sin(x), 0.5 * one, lambda x: x, 0.3 * one, torch.zeros(1), one)
         >>> _, ys = truth.simulate(30, generator=torch.Generator().manual_seed(0))
         >>> ssm = NonlinearGaussianSSM(Drift(0.0), 0.5 * one, lambda x: x, 0.3 * one, torch.zeros(1), one)
         >>> losses = fit_evidence(EPSmoother(ssm, projection="unscented", tol=1e-4), ys, num_steps=10, lr=0.1)
@@ -146,3 +148,4 @@ def fit_evidence(
             RuntimeWarning, stacklevel=2,
         )
     return losses
+

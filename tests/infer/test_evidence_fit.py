@@ -1,6 +1,7 @@
 """fit_evidence: maximising the EP evidence reaches the exact maximum likelihood on a linear model,
 learns a nonlinear model's parameters, and reports EP runs that did not converge."""
 
+import pyro
 import pytest
 import torch
 from pyro.nn import PyroModule, PyroParam
@@ -77,9 +78,11 @@ def test_fit_evidence_learns_a_nonlinear_drift(data_seed):
             return 0.5 * x + self.b * torch.tanh(x)
 
     one = torch.eye(1)
-    truth = NonlinearGaussianSSM(Drift(1.5), 0.3 * one, lambda x: x, 0.1 * one, torch.zeros(1), one)
+    # The truth is a plain function: a second Drift would share the parameter store's "transition.b".
+    truth = NonlinearGaussianSSM(lambda x: 0.5 * x + 1.5 * torch.tanh(x), 0.3 * one, lambda x: x, 0.1 * one, torch.zeros(1), one)
     data = [truth.simulate(30, generator=torch.Generator().manual_seed(10 * data_seed + s))[1] for s in range(2)]
     ssm = NonlinearGaussianSSM(Drift(0.2), 0.3 * one, lambda x: x, 0.1 * one, torch.zeros(1), one)
+    assert ssm.transition.b.item() == pytest.approx(0.2)  # the start is the wrong value
     seen = []
     losses = fit_evidence(EPSmoother(ssm, projection="unscented", max_iter=30), data, num_steps=30, lr=0.15, callback=lambda step, loss: seen.append(step))
     assert seen == list(range(30)) and len(losses) == 30
@@ -124,6 +127,18 @@ def test_non_converged_steps_raise_or_follow_the_unrolled_gradient():
     for smoother in (EPSmoother(ssm, projection="unscented", max_iter=1), EPSmoother(ssm, projection="unscented", max_iter=2, gradient="unrolled")):
         losses = fit_evidence(smoother, ys, num_steps=2, lr=0.01)
         assert all(loss == loss for loss in losses)
+
+
+def test_the_parameter_store_trap_documented_in_the_docstring():
+    # Pyro's behaviour, which fit_evidence's docstring warns about: a second instance of a
+    # PyroModule class takes over the first one's parameters once both have been called.
+    one = torch.eye(1)
+    NonlinearGaussianSSM(_AR1(0.9), one, lambda x: x, one, torch.zeros(1), one)
+    second = NonlinearGaussianSSM(_AR1(0.1), one, lambda x: x, one, torch.zeros(1), one)
+    assert second.transition.theta.item() == pytest.approx(0.9)
+    pyro.clear_param_store()  # the remedy
+    third = NonlinearGaussianSSM(_AR1(0.1), one, lambda x: x, one, torch.zeros(1), one)
+    assert third.transition.theta.item() == pytest.approx(0.1)
 
 
 def test_argument_errors():
