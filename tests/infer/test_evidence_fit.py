@@ -1,6 +1,8 @@
 """fit_evidence: maximising the EP evidence reaches the exact maximum likelihood on a linear model,
 learns a nonlinear model's parameters, and reports EP runs that did not converge."""
 
+import os
+
 import pyro
 import pytest
 import torch
@@ -67,7 +69,12 @@ def test_ep_evidence_maximisation_is_exact_maximum_likelihood_on_a_linear_model(
     assert abs(ssm.observation_cov.item() - r) < 1e-5
 
 
-@pytest.mark.parametrize("data_seed", [0])  # checked on data seeds 0-5
+# The default run checks the loop (5 steps lower the loss; the callback sees every step);
+# PYRO_SMC_FULL=1 runs the 30 steps that learn b on data seeds 0-5 (about 15 s each).
+FULL = os.environ.get("PYRO_SMC_FULL") == "1"
+
+
+@pytest.mark.parametrize("data_seed", list(range(6)) if FULL else [0])
 def test_fit_evidence_learns_a_nonlinear_drift(data_seed):
     class Drift(PyroModule):
         def __init__(self, b):
@@ -84,10 +91,12 @@ def test_fit_evidence_learns_a_nonlinear_drift(data_seed):
     ssm = NonlinearGaussianSSM(Drift(0.2), 0.3 * one, lambda x: x, 0.1 * one, torch.zeros(1), one)
     assert ssm.transition.b.item() == pytest.approx(0.2)  # the start is the wrong value
     seen = []
-    losses = fit_evidence(EPSmoother(ssm, projection="unscented", max_iter=30), data, num_steps=30, lr=0.15, callback=lambda step, loss: seen.append(step))
-    assert seen == list(range(30)) and len(losses) == 30
+    steps = 30 if FULL else 5
+    losses = fit_evidence(EPSmoother(ssm, projection="unscented", max_iter=30), data, num_steps=steps, lr=0.15, callback=lambda step, loss: seen.append(step))
+    assert seen == list(range(steps)) and len(losses) == steps
     assert losses[-1] < losses[0]
-    assert abs(ssm.transition.b.item() - 1.5) < 0.25, ssm.transition.b.item()
+    if FULL:
+        assert abs(ssm.transition.b.item() - 1.5) < 0.25, ssm.transition.b.item()
 
 
 def test_loss_is_the_evidence_per_time_step_over_all_sequences():
