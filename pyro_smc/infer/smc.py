@@ -102,6 +102,7 @@ from pyro.nn import PyroModule
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.checkpoint import plain_attributes
 from pyro_smc.infer.smc_checks import (
     NonReparameterizedGradientWarning,
@@ -129,6 +130,7 @@ from pyro_smc.ops.weights import all_finite
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
 from pyro_smc.tracing import detach_latent_draws, module_context, replay_where
+from pyro_smc.models.nonlinear_gaussian import is_gp
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
 
@@ -382,10 +384,13 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             torch.Size([3])
         """
         schedule = observation_schedule(observations, self.num_filters, lengths=lengths, batched=batched)
-        self.init(*args, **kwargs)
-        for step in tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False):
-            # Observations were checked above, all at once.
-            self._step((step.y,) + args, kwargs, step.predict_only, step.observed, step.active)
+        # A GP inside the model or guide computes its posterior once for the whole run (with its
+        # graph when its hyperparameters require grad), not once per step.
+        with pinned_posteriors(*_gp_components(self.model, self.guide)):
+            self.init(*args, **kwargs)
+            for step in tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False):
+                # Observations were checked above, all at once.
+                self._step((step.y,) + args, kwargs, step.predict_only, step.observed, step.active)
         return self
 
     # --- results ------------------------------------------------------------------------------
@@ -683,3 +688,8 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
                     warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
                 else:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
+
+
+def _gp_components(*objects) -> list:
+    """The GP posteriors among the submodules of ``objects`` (models, guides)."""
+    return [m for o in objects if isinstance(o, torch.nn.Module) for m in o.modules() if is_gp(m)]

@@ -612,3 +612,25 @@ def test_a_nan_parameter_stops_the_run_naming_the_step():
     ssm.A = torch.full((2, 2), math.nan)
     with pytest.raises(SMCFailedError, match=r"time step 1.*site 'y_1'"):
         SMC(ssm, num_particles=10).run(ys)
+
+
+def test_run_computes_a_gp_posterior_once_and_differentiates_its_hyperparameters(monkeypatch):
+    # A GP transition: SMC.run pins its posterior, so one Gram Cholesky serves all T steps, and
+    # log Z_hat carries gradients to the GP's hyperparameters (under a differentiable resampler).
+    from pyro_smc.gp import MultiOutputGP
+    from pyro_smc.models import NonlinearGaussianSSM
+    from pyro_smc.resamplers import OTResampler
+
+    g = torch.Generator().manual_seed(0)
+    X = -2 + 4 * torch.rand(12, 1, generator=g)
+    gp = MultiOutputGP(X, torch.sin(X), noise=0.01)
+    one = torch.eye(1)
+    ssm = NonlinearGaussianSSM(gp, 0.1 * one, lambda x: x, 0.2 * one, torch.zeros(1), one)
+    _, ys = ssm.simulate(10, generator=g)
+    calls = []
+    original = MultiOutputGP._gram_cholesky
+    monkeypatch.setattr(MultiOutputGP, "_gram_cholesky", lambda self, *a: calls.append(1) or original(self, *a))
+    smc = SMC(ssm, num_particles=50, resampler=OTResampler(epsilon=0.5)).run(ys)
+    assert len(calls) == 1 and gp._pinned is None  # pinned for the run, released after it
+    smc.log_evidence.sum().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in gp.parameters())
