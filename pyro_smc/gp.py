@@ -358,12 +358,15 @@ def pinned_posteriors(*fns: object):  # -> contextlib.ExitStack (not in the docs
     """A context manager that pins the posterior of every GP among ``fns`` (see
     :meth:`MultiOutputGP.pinned_posterior`).
 
-    Arguments that are not GP posteriors (plain callables, ``None``), or GP-like objects without
-    a ``pinned_posterior`` method, are ignored; a GP given twice is pinned once (re-entrant).
+    An ``nn.Module`` that is not itself a GP (a model, a guide) stands for the GPs among its
+    submodules. Other arguments that are not GP posteriors (plain callables, ``None``), or
+    GP-like objects without a ``pinned_posterior`` method, are ignored; a GP given twice is
+    pinned once (re-entrant).
     The pins are taken when it is called, so call it in the ``with`` statement itself.
 
     Args:
-        *fns: the components of a model, e.g. ``ssm.transition_fn, ssm.observation_fn``.
+        *fns: the components of a model, e.g. ``ssm.transition_fn, ssm.observation_fn``, or
+            whole models and guides (``nn.Module`` objects).
 
     Returns:
         A ``contextlib.ExitStack`` holding the pins; they are dropped when it exits.
@@ -382,7 +385,10 @@ def pinned_posteriors(*fns: object):  # -> contextlib.ExitStack (not in the docs
     stack = contextlib.ExitStack()
     with stack:  # pins entered so far are released if a later one fails
         for fn in fns:
-            pin = getattr(fn, "pinned_posterior", None) if is_gp(fn) else None
-            if pin is not None:
-                stack.enter_context(pin())
+            # A module that is not itself a GP (a model, a guide) stands for the GPs inside it.
+            parts = fn.modules() if isinstance(fn, torch.nn.Module) and not is_gp(fn) else (fn,)
+            for part in parts:
+                pin = getattr(part, "pinned_posterior", None) if is_gp(part) else None
+                if pin is not None:
+                    stack.enter_context(pin())
         return stack.pop_all()

@@ -190,6 +190,12 @@ def test_pinned_posteriors_pins_the_gps_and_skips_the_rest(monkeypatch):
     assert gp_a._pinned is None and gp_b._pinned is None
     with pinned_posteriors(torch.cos, lambda x: x):  # nothing to pin
         pass
+    container = torch.nn.ModuleDict({"f": gp_a, "g": torch.nn.Linear(1, 1)})  # a model holding a GP
+    with pinned_posteriors(container):
+        for _ in range(3):
+            _all_predictions(gp_a, 0)
+        assert gp_a._pinned is not None
+    assert calls_a[0] == 2 and gp_a._pinned is None
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -130,7 +130,6 @@ from pyro_smc.ops.weights import all_finite
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
 from pyro_smc.tracing import detach_latent_draws, module_context, replay_where
-from pyro_smc.models.nonlinear_gaussian import is_gp
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
 
@@ -386,7 +385,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         schedule = observation_schedule(observations, self.num_filters, lengths=lengths, batched=batched)
         # A GP inside the model or guide computes its posterior once for the whole run (with its
         # graph when its hyperparameters require grad), not once per step.
-        with pinned_posteriors(*_gp_components(self.model, self.guide)):
+        with pinned_posteriors(self.model, self.guide):
             self.init(*args, **kwargs)
             for step in tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False):
                 # Observations were checked above, all at once.
@@ -689,7 +688,3 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
                 else:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
 
-
-def _gp_components(*objects) -> list:
-    """The GP posteriors among the submodules of ``objects`` (models, guides)."""
-    return [m for o in objects if isinstance(o, torch.nn.Module) for m in o.modules() if is_gp(m)]
