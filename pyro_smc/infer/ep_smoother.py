@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.gp import pinned_posteriors
+from pyro_smc.infer.ep_parallel import _Cavities, initial_cavities, parallel_iteration
 from pyro_smc.infer.ep_sites import Natural, _Sites
 from pyro_smc.infer.gaussian_smoothers import observation_status, observed_moments
 from pyro_smc.infer.projections import Projection, as_projection
@@ -74,11 +75,12 @@ from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
 from pyro_smc.ops.gaussian import is_proper, symmetrize, to_moment, to_natural
 from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.kalman import predict, update
-from pyro_smc.ops.results import EPIteration, GaussianSmootherResult
+from pyro_smc.ops.results import EPIteration, EPState, GaussianSmootherResult
 
 __all__ = ["EPSmoother"]
 
 GRADIENTS = ("implicit", "unrolled")
+SCHEDULES = ("sequential", "parallel")
 
 
 
@@ -106,6 +108,13 @@ class EPSmoother:
             sweeps; exact for the truncated iteration; the implicit gradient's test oracle).
             ``docs/math/ep.md#the-gradient-of-the-ep-evidence``. With ``max_iter=1`` both
             differentiate the single sweep.
+        schedule: the order of the updates after the first sweep. ``"sequential"`` (default):
+            forward-backward sweeps of single-message updates. ``"parallel"``: each iteration
+            refits every factor at its cavity in one batched projection and then takes all
+            messages of the fitted linear-Gaussian chain from a parallel-scan Kalman smoother
+            (``docs/math/ep.md#the-parallel-schedule``); the same fixed points, far fewer
+            operations per iteration. Requires ``power=1``. ``history`` counts the first
+            sweep and then the parallel iterations.
 
     An update whose cavity is not a proper Gaussian is skipped; one that would make the marginal
     improper is retried with the damping halved (up to three times) and then skipped. Both are
@@ -113,7 +122,8 @@ class EPSmoother:
 
     Raises:
         ValueError: ``max_iter < 1``, ``damping`` or ``power`` outside ``(0, 1]``, ``tol <= 0``,
-            an unknown projection name or an unknown ``gradient``.
+            an unknown projection name, an unknown ``gradient`` or ``schedule``, or
+            ``schedule="parallel"`` with ``power < 1``.
 
     Example:
         On a linear-Gaussian model EP converges to the Kalman (RTS) smoother:
@@ -154,6 +164,7 @@ class EPSmoother:
         tol: float = 1e-6,
         unscented: dict | None = None,
         gradient: str = "implicit",
+        schedule: str = "sequential",
     ):
         strategy = as_projection(projection, unscented)
         if int(max_iter) < 1:
@@ -165,6 +176,10 @@ class EPSmoother:
             raise ValueError(f"tol must be > 0, got {tol!r}")
         if gradient not in GRADIENTS:
             raise ValueError(f"gradient must be one of {GRADIENTS}, got {gradient!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "parallel" and power != 1:
+            raise ValueError(f'schedule="parallel" is plain EP (power=1); got power={power!r}: use schedule="sequential" for power EP')
         self.ssm = ssm
         self.projection = projection
         self.max_iter = int(max_iter)
@@ -173,6 +188,7 @@ class EPSmoother:
         self.tol = float(tol)
         self.unscented = unscented
         self.gradient = gradient
+        self.schedule = schedule
         self.strategy = strategy
         self._transition_projection = strategy.for_factor("transition")
         self._observation_projection = strategy.for_factor("observation")
@@ -215,9 +231,18 @@ class EPSmoother:
         return J.transpose(-1, -2) @ h[:, -1] / alpha, symmetrize(J.transpose(-1, -2) @ h[:, :-1] @ J) / alpha
 
     # --- the sweeps -------------------------------------------------------------------------
-    def smooth(self, observations: Tensor) -> GaussianSmootherResult:
+    def smooth(self, observations: Tensor, init: GaussianSmootherResult | None = None) -> GaussianSmootherResult:
         """Runs EP on ``observations`` ``(T, e)`` (NaN entries are missing; a list of ``(e,)``
         tensors and ``None`` works too).
+
+        Args:
+            observations: ``(T, e)``.
+            init: a warm start: an earlier result of an ``EPSmoother`` with the same ``schedule``
+                on observations with the same steps missing, typically of the same data under
+                slightly different parameters (a fit's previous step). EP starts from where that
+                run stopped (its ``ep_state``) instead of from the first sweep, so there is no
+                ``first_sweep`` and fewer iterations to go. The fixed point is the same when EP
+                has a single one.
 
         Returns:
             :class:`~pyro_smc.ops.results.GaussianSmootherResult` with the EP marginals,
@@ -232,46 +257,144 @@ class EPSmoother:
             evidence are differentiable in every tensor the model uses, by implicit
             differentiation at the fixed point (``docs/math/ep.md#the-gradient-of-the-ep-evidence``);
             ``first_sweep`` is then detached. If EP did not converge, their backward pass raises.
+            ``ep_state`` is where the iteration stopped, for ``init=``.
+
+        Raises:
+            ValueError: ``init`` without an ``ep_state`` of this schedule and missing-data pattern.
         """
         ssm = self.ssm
         ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
         status = observation_status(observed)
+        start = self._warm_start(init, status)
         implicit = self.gradient == "implicit" and self.max_iter > 1 and torch.is_grad_enabled()
         with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
             # Implicit mode iterates without a graph; the gradient comes from one more sweep.
+            parallel = self.schedule == "parallel" and self.max_iter > 1
             with torch.no_grad() if implicit else contextlib.nullcontext():
-                sites, models, history, first_sweep, converged = self._iterate(ys, observed, status)
-                means, covs = sites.moments()
-                increments = _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, models, ys)
-            if implicit:
+                if parallel:
+                    cavities, theta, (means, covs, increments), history, first_sweep, converged, gamma = self._iterate_parallel(ys, observed, status, start)
+                    state = EPState("parallel", theta.detach(), tuple(status))
+                else:
+                    sites, models, history, first_sweep, converged = self._iterate(ys, observed, status, start)
+                    means, covs = sites.moments()
+                    increments = _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, models, ys)
+                    state = EPState("sequential", sites.pack().detach(), tuple(status))
+            if implicit and parallel:
+                means, covs, increments = self._parallel_implicit_gradient(cavities, theta, (means, covs, increments), ys, observed, history, converged, gamma)
+            elif implicit:
                 means, covs, increments = self._with_implicit_gradient(sites, models, (means, covs, increments), ys, observed, status, history, converged)
         return GaussianSmootherResult(
             means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged,
-            log_evidence=increments.sum(0), log_evidence_increments=increments,
+            log_evidence=increments.sum(0), log_evidence_increments=increments, ep_state=state,
         )
 
-    def _iterate(self, ys: Tensor, observed: Tensor, status: list):
-        """The EP sweeps until ``tol`` or ``max_iter``: the sites, the last sweep's models, the
-        history, the first sweep's result and whether EP converged."""
+    def _warm_start(self, init: GaussianSmootherResult | None, status: list) -> tuple | None:
+        """``(theta, means, covariances)`` to start from (detached), or ``None`` for a cold start."""
+        if init is None:
+            return None
+        state = getattr(init, "ep_state", None)
+        if state is None or state.schedule != (self.schedule if self.max_iter > 1 else "sequential"):
+            raise ValueError(f"init must be the result of an EPSmoother with schedule={self.schedule!r} (its ep_state), got {state and state.schedule!r}")
+        if tuple(state.steps) != tuple(status):
+            raise ValueError("init comes from observations with other steps missing (or another length); warm starts need the same pattern")
+        return state.theta, init.means.detach(), init.covariances.detach()
+
+    def _iterate(self, ys: Tensor, observed: Tensor, status: list, start: tuple | None = None):
+        """The EP sweeps until ``tol`` or ``max_iter`` (from ``start``, see :meth:`_warm_start`):
+        the sites, the last sweep's models, the history, the first sweep's result and whether EP
+        converged."""
         ssm = self.ssm
-        sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), ys.shape[0], ssm.state_dim)
+        T, d, prior = ys.shape[0], ssm.state_dim, to_natural(ssm.init_mean, ssm.init_cov)
+        sites = _Sites(prior, T, d) if start is None else _Sites.unpack(prior, start[0], T, d, status)
         history: list[EPIteration] = []
-        first_sweep, previous, converged = None, None, False
+        first_sweep, previous, converged = None, None if start is None else start[1:], False
         models: list = [None] * (2 * ys.shape[0])  # the last sweep's measurement models, then transitions
         for sweep in range(self.max_iter):
-            alpha = 1.0 if sweep == 0 else self.power
-            gamma = 1.0 if sweep == 0 else self.damping
+            first = sweep == 0 and start is None
+            alpha = 1.0 if first else self.power
+            gamma = 1.0 if first else self.damping
             skipped = self._sweep(sites, ys, observed, status, alpha, gamma, models)
             means, covs = sites.moments()
             change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
             history.append(EPIteration(change, skipped))
-            if sweep == 0:
+            if first:
                 first_sweep = GaussianSmootherResult(means, covs)
             previous = (means, covs)
             if change < self.tol:
                 converged = True
                 break
         return sites, models, history, first_sweep, converged
+
+    def _iterate_parallel(self, ys: Tensor, observed: Tensor, status: list, start: tuple | None = None):
+        """The first sweep (or ``start``), then parallel iterations until ``tol`` or
+        ``max_iter``: the cavity layout, the last cavities, the last iteration's (means,
+        covariances, evidence terms), the history, the first sweep's result, whether EP converged
+        and the damping reached."""
+        ssm = self.ssm
+        T = ys.shape[0]
+        cavities = _Cavities(T, ssm.state_dim, [t for t in range(T) if status[t]])
+        first_sweep, history, converged = None, [], False
+        if start is None:
+            sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), T, ssm.state_dim)
+            skipped = self._sweep(sites, ys, observed, status, 1.0, 1.0, [None] * (2 * T))
+            means, covs = sites.moments()
+            first_sweep, history = GaussianSmootherResult(means, covs), [EPIteration(float("inf"), skipped)]
+            theta = initial_cavities(sites, cavities)
+        else:
+            theta, means, covs = start
+        # ``step``: the damping of the move the next change measures (the first sweep: none).
+        # The damping adapts: halved when the change grows (refitting every factor at once can
+        # overshoot where one-at-a-time updates would not), grown back towards ``damping`` when
+        # it shrinks.
+        gamma, step, residual = self.damping, 1.0, float("inf")
+        for _ in range(len(history), self.max_iter):
+            fitted = parallel_iteration(self, cavities, theta, ys, observed, gamma)
+            change = max(float((fitted.means - means).detach().abs().max()), float((fitted.covs - covs).detach().abs().max()))
+            theta, means, covs = fitted.theta, fitted.means, fitted.covs
+            history.append(EPIteration(change, fitted.skipped))
+            # The change the undamped map would make, so that damping cannot fake convergence.
+            residual, previous = change / step, residual
+            if residual < self.tol:
+                converged = True
+                break
+            step = gamma
+            gamma = max(gamma / 2, self.damping / 8) if residual > previous else min(gamma * 1.5, self.damping)
+        return cavities, theta, (means, covs, fitted.increments), history, first_sweep, converged, gamma
+
+    def _parallel_implicit_gradient(self, cavities: _Cavities, theta: Tensor, values: tuple, ys: Tensor, observed: Tensor, history: list, converged: bool, gamma: float) -> tuple:
+        """:meth:`_with_implicit_gradient` for the parallel schedule: its fixed point is
+        differentiated through one parallel iteration (damped by ``gamma``, the damping the
+        iteration ended with, under which it contracted), which also gives the outputs."""
+        skipped = []
+
+        def iteration(u: Tensor) -> Tensor:
+            fitted = parallel_iteration(self, cavities, u, ys, observed, gamma)
+            skipped.append(fitted.skipped)
+            return fitted.theta
+
+        adjoint_tol = max(self.tol, 100 * torch.finfo(theta.dtype).eps)
+        z = implicit_fixed_point(iteration, theta, tol=adjoint_tol, max_iter=max(2 * self.max_iter, 50), error=lambda: self._fixed_point_error(history, converged, skipped))
+        if not z.requires_grad:
+            return values
+        if self._fixed_point_error(history, converged, skipped) is not None:
+            # Each output on its own path to z, whose hook raises: the outputs share no graph
+            # that a first refused backward pass could consume.
+            return tuple(v.detach() + 0 * z.sum() for v in values)
+        fitted = parallel_iteration(self, cavities, z, ys, observed, gamma)
+        return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, (fitted.means, fitted.covs, fitted.increments)))
+
+    def _fixed_point_error(self, history: list, converged: bool, skipped: list) -> str | None:
+        """Why the implicit gradient does not exist (``None``: it does)."""
+        if not converged:
+            return (
+                f"EPSmoother: EP did not converge in max_iter={self.max_iter} sweeps (last change "
+                f"{history[-1].change:.3g} > tol={self.tol:g}), so its result is not a fixed point and the "
+                "implicit gradient would be wrong; raise max_iter, damp (damping < 1) or use power < 1, "
+                'or differentiate the sweeps themselves with gradient="unrolled"'
+            )
+        if sum(skipped):  # a skipped update is the identity map, not the fixed-point equation
+            return "EPSmoother: an EP update was skipped at the fixed point (improper cavity), so the implicit gradient is undefined"
+        return None
 
     def _with_implicit_gradient(self, sites: _Sites, models: list, values: tuple, ys: Tensor, observed: Tensor, status: list, history: list, converged: bool) -> tuple:
         """``values`` (means, covariances, evidence terms of the converged EP) carrying the implicit
@@ -288,21 +411,9 @@ class EPSmoother:
             skipped.append(self._sweep(at, ys, observed, status, self.power, self.damping, list(models) if fitted is None else fitted))
             return at.pack()
 
-        def error() -> str | None:
-            if not converged:
-                return (
-                    f"EPSmoother: EP did not converge in max_iter={self.max_iter} sweeps (last change "
-                    f"{history[-1].change:.3g} > tol={self.tol:g}), so its result is not a fixed point and the "
-                    "implicit gradient would be wrong; raise max_iter, damp (damping < 1) or use power < 1, "
-                    'or differentiate the sweeps themselves with gradient="unrolled"'
-                )
-            if sum(skipped):  # a skipped update is the identity map, not the fixed-point equation
-                return "EPSmoother: an EP update was skipped at the fixed point (improper cavity), so the implicit gradient is undefined"
-            return None
-
         theta = sites.pack()
         adjoint_tol = max(self.tol, 100 * torch.finfo(theta.dtype).eps)
-        z = implicit_fixed_point(sweep, theta, tol=adjoint_tol, max_iter=max(2 * self.max_iter, 50), error=error)
+        z = implicit_fixed_point(sweep, theta, tol=adjoint_tol, max_iter=max(2 * self.max_iter, 50), error=lambda: self._fixed_point_error(history, converged, skipped))
         if not z.requires_grad:
             return values  # no tensor of the model requires grad: nothing to differentiate
         fitted = list(models)

@@ -44,6 +44,7 @@ def fit_evidence(
     params: Iterable[Tensor] | None = None,
     on_nonconvergence: str = "raise",
     callback: Callable[[int, float], None] | None = None,
+    warm_start: bool = True,
 ) -> list[float]:
     """Maximises the smoother's ``log_evidence`` over the model's parameters.
 
@@ -66,6 +67,9 @@ def fit_evidence(
             such steps). Skipping the step would not help: EP is deterministic, so the same
             parameters would fail again at every later step.
         callback: called as ``callback(step, loss)`` after every step.
+        warm_start: start each step's EP run on a sequence from where the previous step's
+            stopped (``smooth(y, init=previous)``): the parameters moved a little, so EP needs
+            few iterations and no first sweep. Off: every step starts from the first sweep.
 
     Returns:
         The loss ``-sum log_evidence / total number of time steps`` at every step, as floats.
@@ -119,10 +123,11 @@ def fit_evidence(
     needs_fixed_point = getattr(smoother, "gradient", "implicit") == "implicit" and getattr(smoother, "max_iter", 2) > 1
     losses: list[float] = []
     unrolled = 0
+    previous: list = [None] * len(sequences)
     with torch.enable_grad():
         for step in range(int(num_steps)):
             optimizer.zero_grad()
-            results = [smoother.smooth(y) for y in sequences]
+            results = [smoother.smooth(y, init=p) if p is not None else smoother.smooth(y) for y, p in zip(sequences, previous)]
             stuck = [i for i, r in enumerate(results) if needs_fixed_point and not r.converged]
             if stuck and on_nonconvergence == "raise":
                 raise RuntimeError(
@@ -136,6 +141,8 @@ def fit_evidence(
                 fallback.gradient = "unrolled"
                 for i in stuck:
                     results[i] = fallback.smooth(sequences[i])
+            if warm_start:
+                previous = [r if r.converged and getattr(r, "ep_state", None) is not None else None for r in results]
             loss = -sum(r.log_evidence for r in results) / length
             loss.backward()
             optimizer.step()

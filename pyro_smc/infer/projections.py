@@ -39,12 +39,12 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from pyro_smc.models.nonlinear_gaussian import is_gp
+from pyro_smc.models.nonlinear_gaussian import is_gp, is_time_invariant
 from pyro_smc.ops.unscented import sigma_points, unscented_moments
 
 __all__ = ["PROJECTIONS", "Linearization", "MomentMatching", "Projection", "Unscented", "as_projection", "project", "unscented_settings"]
@@ -94,6 +94,35 @@ class Projection:
             ``(mu_a (e,), S_a (e, e) symmetrised, C (d, e))``.
         """
         mu, S, C = self.map_moments(fn, mean, cov, t)
+        if noise_cov is not None:
+            S = S + noise_cov
+        return mu, (S + S.transpose(-1, -2)) / 2, C
+
+    def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`map_moments` at a batch of Gaussians, ``mean`` ``(B, d)`` and ``cov``
+        ``(B, d, d)``, member ``b`` at time ``ts[b]``; returns ``(mu (B, e), S (B, e, e), C (B, d, e))``.
+
+        The default calls :meth:`map_moments` once per member, so every subclass works; the
+        built-in projections override it with one batched evaluation (the parallel EP schedule
+        projects all ``T`` factors at once).
+        """
+        parts = [self.map_moments(fn, mean[b], cov[b], int(t)) for b, t in enumerate(ts)]
+        return tuple(torch.stack(column) for column in zip(*parts))
+
+    def moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int], noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`moments` at a batch of Gaussians (see :meth:`map_moments_batch`).
+
+        Example:
+            >>> import torch
+            >>> from pyro_smc.infer import Unscented
+            >>> means, covs = torch.randn(4, 2, dtype=torch.float64), torch.eye(2, dtype=torch.float64).expand(4, 2, 2)
+            >>> fn = lambda x, t: torch.sin(x) + t
+            >>> batched = Unscented().moments_batch(fn, means, covs, range(4))
+            >>> one = Unscented().moments(fn, means[3], covs[3], 3)
+            >>> all(torch.allclose(b[3], o) for b, o in zip(batched, one))
+            True
+        """
+        mu, S, C = self.map_moments_batch(fn, mean, cov, ts)
         if noise_cov is not None:
             S = S + noise_cov
         return mu, (S + S.transpose(-1, -2)) / 2, C
@@ -178,6 +207,12 @@ class Unscented(Projection):
             return self
         return Unscented(**{**self.settings, **self.per_factor[factor]})
 
+    def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn) or is_time_invariant(fn):
+            return self.map_moments(fn, mean, cov, 0)  # one call on the (B, 2d + 1, d) sigma points
+        ts = [int(t) for t in ts]
+        return unscented_moments(lambda points: torch.stack([fn(p, t) for p, t in zip(points, ts)]), mean, cov, **self.settings)
+
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
         if not is_gp(fn):
             return unscented_moments(lambda x: fn(x, t), mean, cov, **self.settings)
@@ -230,6 +265,11 @@ class MomentMatching(Projection):
         if is_gp(fn):
             return fn.predict_moments(mean, cov)
         return self.fallback.map_moments(fn, mean, cov, t)
+
+    def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn):
+            return fn.predict_moments(mean, cov)
+        return self.fallback.map_moments_batch(fn, mean, cov, ts)
 
     def __repr__(self) -> str:
         return f"MomentMatching(fallback={self.fallback!r})"

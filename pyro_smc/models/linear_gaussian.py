@@ -119,9 +119,13 @@ class LinearGaussianSSM(PyroModule):
         """``A x`` for ``x`` of shape ``(..., d)``."""
         return x @ self.A.transpose(-1, -2)
 
+    transition_fn.time_invariant = True  # the projections may batch it over time
+
     def observation_fn(self, x: Tensor, t: int) -> Tensor:
         """``C x`` for ``x`` of shape ``(..., d)``."""
         return x @ self.C.transpose(-1, -2)
+
+    observation_fn.time_invariant = True  # the projections may batch it over time
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
         return self.transition_fn(x, t), None
@@ -277,9 +281,13 @@ class DiagonalLinearGaussianSSM(PyroModule):
         """``diag(a) x`` for ``x`` of shape ``(..., d)``."""
         return x * self.transition_diag
 
+    transition_fn.time_invariant = True  # the projections may batch it over time
+
     def observation_fn(self, x: Tensor, t: int) -> Tensor:
         """``diag(c) x`` for ``x`` of shape ``(..., d)``."""
         return x * self.emission_diag
+
+    observation_fn.time_invariant = True  # the projections may batch it over time
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
         return self.transition_fn(x, t), None

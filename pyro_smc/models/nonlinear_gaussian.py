@@ -47,8 +47,18 @@ def is_gp(fn: object) -> bool:
     return all(hasattr(fn, name) for name in ("predict", "predict_moments", "linearize"))
 
 
+def is_time_invariant(fn: object) -> bool:
+    """Whether the callable ``fn(x, t)`` is known to ignore ``t`` (marked ``time_invariant``), so
+    one call can evaluate it at every time step at once."""
+    return bool(getattr(fn, "time_invariant", False))
+
+
 def _ignore_time(fn: Callable) -> Callable[[Tensor, int], Tensor]:
-    return lambda x, t: fn(x)
+    def without_time(x: Tensor, t: int) -> Tensor:
+        return fn(x)
+
+    without_time.time_invariant = True
+    return without_time
 
 
 def _takes_time(fn: Callable) -> bool:

@@ -43,7 +43,7 @@ from typing import NamedTuple, Optional
 
 from torch import Tensor
 
-__all__ = ["EPIteration", "FilterResult", "GaussianSmootherResult", "OnlineFilterResult", "SMCResult", "SmootherResult"]
+__all__ = ["EPIteration", "EPState", "FilterResult", "GaussianSmootherResult", "OnlineFilterResult", "SMCResult", "SmootherResult"]
 
 
 def _renamed(old: str, new: str) -> None:
@@ -131,6 +131,27 @@ class EPIteration(NamedTuple):
         return tuple.__getitem__(self, key)
 
 
+class EPState(NamedTuple):
+    """Where an EP run stopped, detached: what ``EPSmoother.smooth(..., init=result)`` starts from.
+
+    Attributes:
+        schedule: ``"sequential"`` (``theta`` holds the site messages) or ``"parallel"`` (the
+            cavities).
+        theta: ``(n,)`` the iteration's state, natural parameters flattened.
+        steps: per time step, 0 (no data), 1 (partly observed) or 2 (fully observed): a warm
+            start needs the same pattern of missing data.
+
+    Example:
+        >>> import torch
+        >>> EPState("parallel", torch.zeros(3), (2, 0, 2)).steps
+        (2, 0, 2)
+    """
+
+    schedule: str
+    theta: Tensor
+    steps: tuple
+
+
 @dataclass
 class GaussianSmootherResult:
     """Gaussian marginals ``q(x_t)`` of a Gaussian filter, smoother or EP run.
@@ -146,6 +167,8 @@ class GaussianSmootherResult:
             Gaussian approximation (filters and smoothers); for EP, the same decomposition on the
             linear-Gaussian model of the last sweep (``docs/math/ep.md#the-ep-evidence``).
         log_evidence_increments: ``(T,)`` its per-step terms.
+        ep_state: for EP, where the iteration stopped (:class:`EPState`), to warm-start another
+            run (``EPSmoother.smooth(ys, init=result)``); ``None`` otherwise.
 
     Example:
         >>> import torch
@@ -161,6 +184,7 @@ class GaussianSmootherResult:
     converged: bool = True
     log_evidence: Tensor | None = None
     log_evidence_increments: Tensor | None = None
+    ep_state: EPState | None = None
 
     @property
     def log_likelihood(self) -> Tensor | None:
@@ -210,6 +234,8 @@ class OnlineFilterResult(NamedTuple):
     Attributes:
         log_evidence: scalar, the running ELBO: a lower bound on ``log p(y_{1:T})``.
         log_evidence_increments: ``(T,)`` its per-step terms.
+        ep_state: for EP, where the iteration stopped (:class:`EPState`), to warm-start another
+            run (``EPSmoother.smooth(ys, init=result)``); ``None`` otherwise.
         means: ``(T, d)`` means of the filtering marginals ``q_t(x_t)``.
         covariances: ``(T, d, d)`` their covariances.
 

@@ -30,14 +30,14 @@ def sigma_points(mean: Tensor, cov: Tensor, alpha: float = 1.0, beta: float = 0.
     """Sigma points and weights.
 
     Args:
-        mean: ``(d,)``.
-        cov: ``(d, d)`` positive definite.
+        mean: ``(..., d)``.
+        cov: ``(..., d, d)`` positive definite.
         alpha, beta: spread and prior-knowledge parameters.
         kappa: secondary scaling; ``None`` means ``3 - d`` clipped at 0 (Sarkka's default for
             small ``d``, kept non-negative so the weights stay valid for larger ``d``).
 
     Returns:
-        ``(points (2d+1, d), mean_weights (2d+1,), cov_weights (2d+1,))``.
+        ``(points (..., 2d+1, d), mean_weights (2d+1,), cov_weights (2d+1,))``.
 
     Raises:
         RuntimeError: (``torch.linalg.LinAlgError``) if ``cov`` is not positive definite.
@@ -54,7 +54,8 @@ def sigma_points(mean: Tensor, cov: Tensor, alpha: float = 1.0, beta: float = 0.
     lam = alpha**2 * (d + kappa) - d
     chol = torch.linalg.cholesky(cov)
     offsets = (d + lam) ** 0.5 * chol.transpose(-1, -2)  # rows are the scaled columns of L
-    points = torch.cat([mean.unsqueeze(0), mean + offsets, mean - offsets], 0)
+    centre = mean.unsqueeze(-2)
+    points = torch.cat([centre, centre + offsets, centre - offsets], -2)
     wm = torch.full((2 * d + 1,), 1.0 / (2 * (d + lam)), dtype=mean.dtype, device=mean.device)
     wm[0] = lam / (d + lam)
     wc = wm.clone()
@@ -68,13 +69,13 @@ def unscented_moments(
     """Mean, covariance and input-output covariance of ``fn(x)``, ``x ~ N(mean, cov)``.
 
     Args:
-        fn: maps a batch of points ``(n, d)`` to ``(n, e)``.
-        mean: ``(d,)``.
-        cov: ``(d, d)``.
+        fn: maps a batch of points ``(..., n, d)`` to ``(..., n, e)``.
+        mean: ``(..., d)``: a batch of Gaussians is transformed at once.
+        cov: ``(..., d, d)``.
         alpha, beta, kappa: as in :func:`sigma_points`.
 
     Returns:
-        ``(mean (e,), cov (e, e), cross (d, e))`` with ``cross = Cov[x, fn(x)]``.
+        ``(mean (..., e), cov (..., e, e), cross (..., d, e))`` with ``cross = Cov[x, fn(x)]``.
 
     Raises:
         RuntimeError: (``torch.linalg.LinAlgError``) if ``cov`` is not positive definite.
@@ -89,8 +90,8 @@ def unscented_moments(
     points, wm, wc = sigma_points(mean, cov, alpha, beta, kappa)
     values = fn(points)
     f_mean = wm @ values
-    dv = values - f_mean
-    dx = points - mean
+    dv = values - f_mean.unsqueeze(-2)
+    dx = points - mean.unsqueeze(-2)
     f_cov = (dv * wc.unsqueeze(-1)).transpose(-1, -2) @ dv
     cross = (dx * wc.unsqueeze(-1)).transpose(-1, -2) @ dv
     return f_mean, (f_cov + f_cov.transpose(-1, -2)) / 2, cross

@@ -1,0 +1,137 @@
+r"""The parallel EP schedule: every factor refitted at once, then the messages of the fitted chain.
+
+See ``docs/math/ep.md#the-parallel-schedule``.
+
+With ``power=1`` an EP message update is, given the factor's implicit linear model
+``a = J x + c + eps`` fitted at its cavity, the exact belief-propagation message of that linear
+factor. A fixed point of EP is therefore a set of cavities at which
+
+1. each factor's linear model is the one its projection fits at its cavity, and
+2. the messages are the exact messages of the linear-Gaussian chain those models make.
+
+The sequential schedule (:meth:`~pyro_smc.EPSmoother._sweep`) refits one factor and then moves
+one message, ``4 T`` small updates per sweep. This schedule alternates the two conditions over the
+whole sequence instead: it fits all ``T - 1`` transitions and ``T`` measurements at their cavities
+with one batched projection (:meth:`~pyro_smc.infer.projections.Projection.moments_batch`), then
+solves the chain exactly with :func:`~pyro_smc.ops.affine_chain.affine_chain_smoother` (a
+parallel-scan Kalman filter and smoother). It has the same fixed points, so the same marginals,
+evidence and implicit gradient, at a small fraction of the cost per iteration.
+
+The cavities are what the filter and smoother hand back: the cavity of the transition out of
+``t`` (everything at ``t`` but that transition's backward message) is the filtering distribution
+``p(x_t | y_{0:t})`` of the fitted chain, and the cavity of the measurement at ``t`` is the
+smoothed marginal divided by the measurement's message ``N^{-1}(J^T E^{-1} (y - c), J^T E^{-1} J)``.
+The iteration's state is these cavities in natural form, damped as EP damps its messages.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from pyro_smc.ops.affine_chain import affine_chain_smoother
+from pyro_smc.ops.gaussian import is_proper, symmetrize, to_moment, to_natural
+
+__all__: list[str] = []
+
+
+class _Fitted(NamedTuple):
+    """One parallel iteration's output: the new cavities (natural, packed as in
+    :class:`_Cavities`), the smoothed marginals, the evidence terms, and how many updates were
+    kept at their old value because the new cavity was not a proper Gaussian."""
+
+    theta: Tensor
+    means: Tensor
+    covs: Tensor
+    increments: Tensor
+    skipped: int
+
+
+class _Cavities:
+    """The cavities of the transitions (out of ``t = 0 .. T-2``) and of the measurements (at the
+    steps with data), in natural form, as one flat vector ``theta``: etas then precisions."""
+
+    def __init__(self, T: int, d: int, measured: list[int]):
+        self.T, self.d, self.measured = T, d, measured
+        self.n = (T - 1) + len(measured)
+
+    def pack(self, eta: Tensor, lam: Tensor) -> Tensor:
+        return torch.cat([eta.reshape(-1), lam.reshape(-1)])
+
+    def unpack(self, theta: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """``((eta, Lambda) of the transitions, (eta, Lambda) of the measurements)``."""
+        n, d, k = self.n, self.d, self.T - 1
+        eta, lam = theta[: n * d].reshape(n, d), theta[n * d :].reshape(n, d, d)
+        return (eta[:k], lam[:k]), (eta[k:], lam[k:])
+
+
+def initial_cavities(sites, cavities: _Cavities) -> Tensor:
+    """The cavities of the sequential sites ``sites`` (:class:`~pyro_smc.infer.ep_sites._Sites`)."""
+    transitions = [sites.marginal(t, "bwd") for t in range(cavities.T - 1)]
+    measurements = [sites.marginal(t, "meas") for t in cavities.measured]
+    parts = transitions + measurements
+    like = sites.messages["fwd"][0][0]
+    if not parts:
+        return like.new_zeros(0)
+    return cavities.pack(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+
+
+def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor, observed: Tensor, gamma: float) -> _Fitted:
+    """One iteration of the parallel schedule from the cavities ``theta``: fit every factor at its
+    cavity, solve the fitted chain, and damp the cavities towards the chain's (``gamma``)."""
+    ssm = smoother.ssm
+    T, d, k = cavities.T, cavities.d, cavities.T - 1
+    (eta_tr, lam_tr), (eta_ms, lam_ms) = cavities.unpack(theta)
+    like = ssm.init_mean
+    # 1. The transitions' implicit linear models, x_{t+1} = J x_t + c + eps, at their cavities.
+    if k:
+        m, P = to_moment(eta_tr, lam_tr)
+        M, S, C = smoother._transition_projection.moments_batch(ssm.transition_fn, m, P, range(k), ssm.transition_cov)
+        F = torch.linalg.solve(P, C).transpose(-1, -2)
+        offset, noise = M - (F @ m.unsqueeze(-1)).squeeze(-1), symmetrize(S - F @ C)
+    else:
+        F, offset, noise = like.new_zeros(0, d, d), like.new_zeros(0, d), like.new_zeros(0, d, d)
+    # 2. The measurements' models y_t = H x_t + c + eps at theirs (zero rows where unobserved).
+    e = ys.shape[-1]
+    H, resid, R = like.new_zeros(T, e, d), like.new_zeros(T, e), like.new_ones(T, 1, 1) * torch.eye(e, dtype=like.dtype, device=like.device)
+    mask = torch.zeros(T, e, dtype=torch.bool, device=like.device)
+    idx = torch.tensor(cavities.measured, dtype=torch.long, device=like.device)
+    if cavities.measured:
+        m, P = to_moment(eta_ms, lam_ms)
+        mu, S, C = smoother._observation_projection.moments_batch(ssm.observation_fn, m, P, cavities.measured, ssm.observation_cov)
+        Hm = torch.linalg.solve(P, C).transpose(-1, -2)
+        obs = observed[idx]
+        weight = obs.to(like.dtype)
+        y = torch.where(obs, ys[idx], torch.zeros_like(ys[idx]))
+        resid_m = (y - mu + (Hm @ m.unsqueeze(-1)).squeeze(-1)) * weight
+        Hm = Hm * weight.unsqueeze(-1)
+        Rm = symmetrize(S - C.transpose(-1, -2) @ torch.linalg.solve(P, C)) * (weight.unsqueeze(-1) * weight.unsqueeze(-2)) + torch.diag_embed(1 - weight)
+        H, resid, R, mask = H.index_copy(0, idx, Hm), resid.index_copy(0, idx, resid_m), R.index_copy(0, idx, Rm), mask.index_copy(0, idx, obs)
+    # 3. The exact messages of the fitted chain.
+    chain = affine_chain_smoother(ssm.init_mean, ssm.init_cov, F, offset, noise, H, resid, R, mask)
+    # 4. The new cavities: the filtering distributions, and the marginals less the measurement messages.
+    new_eta, new_lam = [], []
+    if k:
+        eta, lam = to_natural(chain.filtered_means[:k], chain.filtered_covs[:k])
+        new_eta.append(eta)
+        new_lam.append(lam)
+    if cavities.measured:
+        Hm, Rm, rm = H[idx], R[idx], resid[idx]
+        sol = torch.cholesky_solve(torch.cat([Hm, rm.unsqueeze(-1)], -1), torch.linalg.cholesky(Rm))
+        eta_q, lam_q = to_natural(chain.smoothed_means[idx], chain.smoothed_covs[idx])
+        new_eta.append(eta_q - (Hm.transpose(-1, -2) @ sol[..., -1:]).squeeze(-1))
+        new_lam.append(symmetrize(lam_q - Hm.transpose(-1, -2) @ sol[..., :-1]))
+    new_eta = torch.cat(new_eta) if new_eta else like.new_zeros(0, d)
+    new_lam = torch.cat(new_lam) if new_lam else like.new_zeros(0, d, d)
+    # An update whose cavity would not be proper keeps the old cavity (counted, as in EP).
+    (eta_old, lam_old) = (torch.cat([eta_tr, eta_ms]), torch.cat([lam_tr, lam_ms]))
+    eta_new = (1 - gamma) * eta_old + gamma * new_eta
+    lam_new = (1 - gamma) * lam_old + gamma * new_lam
+    proper = is_proper(lam_new) if lam_new.shape[0] else torch.ones(0, dtype=torch.bool)
+    skipped = int((~proper).sum())
+    if skipped:
+        eta_new = torch.where(proper.unsqueeze(-1), eta_new, eta_old)
+        lam_new = torch.where(proper.unsqueeze(-1).unsqueeze(-1), lam_new, lam_old)
+    return _Fitted(cavities.pack(eta_new, lam_new), chain.smoothed_means, chain.smoothed_covs, chain.log_evidence_increments, skipped)
