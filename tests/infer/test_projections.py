@@ -7,6 +7,7 @@ from pyro_smc import EPSmoother
 from pyro_smc.infer import Linearization, MomentMatching, Projection, Unscented, gaussian_smoother
 from pyro_smc.infer.projections import as_projection, project
 from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM
+from pyro_smc.models.nonlinear_gaussian import _ignore_time, is_time_invariant
 
 STRATEGIES = [Linearization(), Unscented(), Unscented(alpha=0.5, beta=2.0, kappa=1.0), MomentMatching()]
 
@@ -112,3 +113,45 @@ def test_base_class_must_be_subclassed():
     m, P, _ = _gaussian(1)
     with pytest.raises(NotImplementedError):
         Projection().moments(lambda x, t: x, m, P, 0)
+
+
+# --- batched projections (the parallel EP schedule projects every factor at once) -------------
+def _gp():
+    from pyro_smc.gp import MultiOutputGP
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(12, 2, generator=g, dtype=torch.float64)
+    return MultiOutputGP(X, torch.stack([torch.sin(X[:, 0]), X[:, 1] * X[:, 0]], -1), lengthscale=1.0, variance=1.5, noise=0.05)
+
+
+@pytest.mark.parametrize(
+    "projection, fn",
+    [
+        (Unscented(), lambda x, t: torch.sin(x) + 0.1 * t),              # time-dependent: one call per member
+        (Unscented(kappa=1.0), _ignore_time(lambda x: torch.cos(x) * x)),  # time-invariant: one call for all
+        (Linearization(), lambda x, t: x**2 - t),                         # the base class's loop
+        (MomentMatching(), _gp()),                                        # batched exact GP moments
+        (Unscented(), _gp()),
+        (Linearization(), _gp()),
+    ],
+)
+def test_moments_batch_equals_one_member_at_a_time(projection, fn):
+    g = torch.Generator().manual_seed(1)
+    means = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    L = 0.3 * torch.randn(5, 2, 2, generator=g, dtype=torch.float64) + torch.eye(2, dtype=torch.float64)
+    covs = L @ L.transpose(-1, -2)
+    noise = 0.1 * torch.eye(2, dtype=torch.float64)
+    ts = [0, 3, 1, 7, 2]
+    batched = projection.moments_batch(fn, means, covs, ts, noise)
+    for b, t in enumerate(ts):
+        single = projection.moments(fn, means[b], covs[b], t, noise)
+        for x, y in zip(batched, single):
+            assert torch.allclose(x[b], y, atol=1e-12), (x[b], y)
+
+
+def test_time_invariant_maps_are_marked():
+    one = torch.eye(1)
+    lin = LinearGaussianSSM(one, one, one, one, torch.zeros(1), one)
+    assert is_time_invariant(lin.transition_fn) and is_time_invariant(lin.observation_fn)
+    ssm = NonlinearGaussianSSM(lambda x: x, one, lambda x, t: x * t, one, torch.zeros(1), one)
+    assert is_time_invariant(ssm.transition_fn) and not is_time_invariant(ssm.observation_fn)
