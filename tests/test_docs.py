@@ -136,7 +136,8 @@ def test_ep_learning_example_learns():
     """docs/engines/ep.md's learning example. The default run takes 3 of its 40 Adam steps (they
     must lower the loss); PYRO_SMC_FULL=1 runs it as printed on the printed data seed and two more
     and checks that the fit reaches the evidence of the true parameters to 0.2 nats (measured: seed
-    2 exceeds it by 1.1 nats; g 9.47 / 10.26 / 10.96, r 0.117 / 0.098 / 0.101: the spread in g is the data's)."""
+    2 exceeds it by 1.1 nats; g 9.47 / 10.26 / 10.96, r 0.117 / 0.098 / 0.101: the spread in g is
+    the data's; 19 s for the three fits)."""
     code = readme_example("ep-learning")
     assert "num_steps=40" in code and "manual_seed(0)" in code
     old = torch.get_default_dtype()
@@ -153,7 +154,7 @@ def test_ep_learning_example_learns():
                     pyro.clear_param_store()  # the truth's own parameters, not the fitted ones
                     truth = namespace["NonlinearGaussianSSM"](namespace["Pendulum"](9.81), namespace["Q"], namespace["sensor"], 0.1 * torch.eye(1),
                                                               torch.tensor([1.5, 0.0]), 0.1 * torch.eye(2))
-                    at_truth = float(EPSmoother(truth, projection="unscented", max_iter=50).smooth(namespace["ys"]).log_evidence) / len(namespace["ys"])
+                    at_truth = float(EPSmoother(truth, projection="unscented", max_iter=100).smooth(namespace["ys"]).log_evidence) / len(namespace["ys"])
                 assert -losses[-1] > at_truth - 2e-3, (losses[-1], at_truth)
                 assert abs(ssm.transition.g.item() - 9.81) < 1.5 and abs(ssm.observation_cov.item() - 0.1) < 0.03
     finally:

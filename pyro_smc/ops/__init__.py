@@ -9,6 +9,7 @@ Modules:
     sinkhorn_unrolled: Sinkhorn for gradient="unroll" (log domain, under autograd).
     ensemble: the differentiable ensemble transform (OT resampling) as one fused autograd op.
     kalman: Kalman predict/update/RTS steps and the exact log-evidence.
+    affine_chain: filter and smoother of a time-varying affine chain by parallel (associative) scans.
     results: the typed results every engine returns (one name, log_evidence, for the evidence).
     gaussian: moment and natural forms of Gaussians, products, division, damping, PSD checks.
     unscented: sigma points and the unscented transform.
