@@ -95,7 +95,8 @@ def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor,
         F, offset, noise = like.new_zeros(0, d, d), like.new_zeros(0, d), like.new_zeros(0, d, d)
     # 2. The measurements' models y_t = H x_t + c + eps at theirs (zero rows where unobserved).
     e = ys.shape[-1]
-    H, resid, R = like.new_zeros(T, e, d), like.new_zeros(T, e), like.new_ones(T, 1, 1) * torch.eye(e, dtype=like.dtype, device=like.device)
+    H, resid = like.new_zeros(T, e, d), like.new_zeros(T, e)
+    R = torch.eye(e, dtype=like.dtype, device=like.device).expand(T, e, e)
     mask = torch.zeros(T, e, dtype=torch.bool, device=like.device)
     idx = torch.tensor(cavities.measured, dtype=torch.long, device=like.device)
     if cavities.measured:
@@ -104,10 +105,12 @@ def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor,
         Hm = torch.linalg.solve(P, C).transpose(-1, -2)
         obs = observed[idx]
         weight = obs.to(like.dtype)
+        # Unobserved entries: zero rows of H, zero residual, unit noise uncorrelated with the rest
+        # (the masking of ops.kalman.masked_update, which the chain smoother applies too).
         y = torch.where(obs, ys[idx], torch.zeros_like(ys[idx]))
         resid_m = (y - mu + (Hm @ m.unsqueeze(-1)).squeeze(-1)) * weight
+        Rm = symmetrize(S - Hm @ C) * (weight.unsqueeze(-1) * weight.unsqueeze(-2)) + torch.diag_embed(1 - weight)
         Hm = Hm * weight.unsqueeze(-1)
-        Rm = symmetrize(S - C.transpose(-1, -2) @ torch.linalg.solve(P, C)) * (weight.unsqueeze(-1) * weight.unsqueeze(-2)) + torch.diag_embed(1 - weight)
         H, resid, R, mask = H.index_copy(0, idx, Hm), resid.index_copy(0, idx, resid_m), R.index_copy(0, idx, Rm), mask.index_copy(0, idx, obs)
     # 3. The exact messages of the fitted chain.
     chain = affine_chain_smoother(ssm.init_mean, ssm.init_cov, F, offset, noise, H, resid, R, mask)
@@ -126,10 +129,10 @@ def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor,
     new_eta = torch.cat(new_eta) if new_eta else like.new_zeros(0, d)
     new_lam = torch.cat(new_lam) if new_lam else like.new_zeros(0, d, d)
     # An update whose cavity would not be proper keeps the old cavity (counted, as in EP).
-    (eta_old, lam_old) = (torch.cat([eta_tr, eta_ms]), torch.cat([lam_tr, lam_ms]))
+    eta_old, lam_old = torch.cat([eta_tr, eta_ms]), torch.cat([lam_tr, lam_ms])
     eta_new = (1 - gamma) * eta_old + gamma * new_eta
     lam_new = (1 - gamma) * lam_old + gamma * new_lam
-    proper = is_proper(lam_new) if lam_new.shape[0] else torch.ones(0, dtype=torch.bool)
+    proper = is_proper(lam_new)
     skipped = int((~proper).sum())
     if skipped:
         eta_new = torch.where(proper.unsqueeze(-1), eta_new, eta_old)
