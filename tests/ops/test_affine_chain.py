@@ -71,17 +71,12 @@ def test_time_invariant_matches_kalman(parallel):
     T, d, e = 9, 2, 2
     m0, P0, F, c, Q, H, r, R = _random_model(T, d, e, seed=0)
     A, Qi, C, Ri = F[0], Q[0], H[0], R[0]
-    out = affine_chain_smoother(
-        m0,
-        P0,
-        A.expand(T - 1, d, d),
-        torch.zeros(T - 1, d, dtype=D64),
-        Qi.expand(T - 1, d, d),
-        C.expand(T, e, d),
-        r,
-        Ri.expand(T, e, e),
-        parallel=parallel,
-    )
+
+    def time_invariant(m0, P0):
+        zeros = torch.zeros(T - 1, d, dtype=D64)
+        return affine_chain_smoother(m0, P0, A.expand(T - 1, d, d), zeros, Qi.expand(T - 1, d, d), C.expand(T, e, d), r, Ri.expand(T, e, e), parallel=parallel)
+
+    out = time_invariant(m0, P0)
     filt = kalman_filter(r, A, Qi, C, Ri, m0, P0)
     smooth = rts_smoother(filt, A)
     pairs = [
@@ -99,17 +94,7 @@ def test_time_invariant_matches_kalman(parallel):
     # row vectors from the right): pick its initial N(mu, S) and our prior as its push-forward.
     mu, S = torch.randn(d, dtype=D64, generator=torch.Generator().manual_seed(1)), torch.eye(d, dtype=D64)
     m0, P0 = A @ mu, A @ S @ A.T + Qi
-    out = affine_chain_smoother(
-        m0,
-        P0,
-        A.expand(T - 1, d, d),
-        torch.zeros(T - 1, d, dtype=D64),
-        Qi.expand(T - 1, d, d),
-        C.expand(T, e, d),
-        r,
-        Ri.expand(T, e, e),
-        parallel=parallel,
-    )
+    out = time_invariant(m0, P0)
     hmm = dist.GaussianHMM(
         dist.MultivariateNormal(mu, S),
         A.T,
