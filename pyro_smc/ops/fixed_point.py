@@ -12,6 +12,13 @@ forward iteration (the same Jacobian ``F_theta``, transposed). Nothing of the fo
 is stored: the memory is that of one evaluation of ``F``, however many iterations found
 ``theta*``.
 
+The plain adjoint iteration needs ``F_theta`` to contract at ``theta*``. An iteration that
+converged only thanks to damping that changed along the way (the parallel EP schedule adapts its
+damping) can stop at a fixed point where the map evaluated with one fixed damping does not
+contract, although ``I - F_theta`` is invertible and the gradient exists. When the plain
+iteration fails, the adjoint equation ``(I - F_theta^T) lambda = g`` is solved by GMRES instead,
+from the same vector-Jacobian products: it needs only ``I - F_theta`` invertible.
+
 :func:`implicit_fixed_point` evaluates ``z = F(theta*)`` once with the graph, from a detached copy
 ``u`` of ``theta*``, and registers a hook on ``z`` that replaces the incoming gradient ``g`` by
 the adjoint ``lambda``; autograd then carries ``lambda`` through the graph of ``z`` to ``phi``
@@ -120,22 +127,58 @@ def implicit_fixed_point(
         message = error() if callable(error) else error
         if message is not None:
             raise RuntimeError(message)
-        lam = g
-        for _ in range(max_iter):
+        def vjp(v: Tensor) -> Tensor:
             inside.append(True)
             try:
-                (vjp,) = torch.autograd.grad(z, u, lam, retain_graph=True)
+                return torch.autograd.grad(z, u, v, retain_graph=True)[0]
             finally:
                 inside.pop()
-            new = g + vjp
+
+        lam, first = g, None
+        for _ in range(max_iter):
+            new = g + vjp(lam)
             step = float((new - lam).abs().max()) if new.numel() else 0.0
             lam = new
             if step <= tol * max(1.0, float(lam.abs().max()) if lam.numel() else 0.0):
                 return lam
+            first = step if first is None else first
+            if not step < 1e6 * first:  # diverging (or not finite): no use going on
+                break
+        flat = _gmres(lambda v: v - vjp(v.reshape(g.shape)).reshape(-1), g.reshape(-1), tol, min(max_iter, g.numel()))
+        if flat is not None:
+            return flat.reshape(g.shape)
         raise RuntimeError(
             f"implicit differentiation: the adjoint iteration did not converge in {max_iter} steps "
-            f"(last change {step:.3g}); the iteration does not contract at this point"
+            f"(last change {step:.3g}), and GMRES did not either: I - dF/dtheta is (nearly) singular "
+            "at this point, so the fixed point is not a differentiable function of the parameters"
         )
 
     z.register_hook(adjoint)
     return z
+
+
+def _gmres(matvec: Callable[[Tensor], Tensor], b: Tensor, tol: float, max_dim: int) -> Tensor | None:
+    """``x`` with ``|matvec(x) - b| <= tol |b|`` from the Krylov space of ``matvec`` and ``b``
+    (GMRES without restarts, modified Gram-Schmidt); ``None`` if ``max_dim`` steps do not get
+    there. ``b`` is a flat vector."""
+    beta = float(b.norm())
+    if beta == 0.0:
+        return torch.zeros_like(b)
+    basis = [b / beta]
+    hessenberg = b.new_zeros(max_dim + 1, max_dim)
+    for k in range(max_dim):
+        w = matvec(basis[k])
+        for i in range(k + 1):
+            hessenberg[i, k] = torch.dot(basis[i], w)
+            w = w - hessenberg[i, k] * basis[i]
+        hessenberg[k + 1, k] = w.norm()
+        h = hessenberg[: k + 2, : k + 1]
+        rhs = b.new_zeros(k + 2, 1)
+        rhs[0] = beta
+        y = torch.linalg.lstsq(h, rhs).solution
+        if float((rhs - h @ y).norm()) <= tol * beta:
+            return torch.stack(basis[: k + 1], -1) @ y.squeeze(-1)
+        if float(hessenberg[k + 1, k]) <= 1e-14 * beta:  # the Krylov space is exhausted
+            return None
+        basis.append(w / hessenberg[k + 1, k])
+    return None

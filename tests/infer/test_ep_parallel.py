@@ -10,12 +10,14 @@ from pathlib import Path
 import pyro
 import pytest
 import torch
+from pyro.nn import PyroParam
+from torch.distributions import constraints
 
 from pyro_smc import EPSmoother
 from pyro_smc.infer import fit_evidence
 from pyro_smc.models import NonlinearGaussianSSM
 
-from .test_ep_smoother_gradients import _directional_checks, _gp_model, _linear, _linear_parameters, _loss, _pendulum_model, _scalar_model
+from .test_ep_smoother_gradients import _Drift, _directional_checks, _gp_model, _linear, _linear_parameters, _loss, _pendulum_model, _scalar_model
 
 
 def _data(ssm, T, seed):
@@ -204,3 +206,39 @@ def test_float32_parallel_agrees_with_float64():
     assert torch.allclose(results[torch.float32][0], results[torch.float64][0], atol=2e-3)
     for a, b in zip(results[torch.float32][1], results[torch.float64][1]):
         assert torch.allclose(a, b, rtol=5e-3, atol=5e-3), (a, b)
+
+
+def test_gmres_differentiates_a_parallel_fixed_point_where_the_plain_adjoint_diverges(monkeypatch):
+    """On x' = a sin(x) + w, y = 4 sin(x) + v (chaotic; a = 3.843, Q = 0.0323, R = 0.0235, 50
+    steps), the parallel iteration converges only through its adaptive damping, and the plain
+    adjoint iteration at the damping it ended with diverges (measured). The adjoint is then solved
+    by GMRES, and the gradient is the sequential schedule's."""
+    import pyro_smc.ops.fixed_point as fixed_point
+
+    used = []
+    gmres = fixed_point._gmres
+    monkeypatch.setattr(fixed_point, "_gmres", lambda *args: used.append(True) or gmres(*args))
+
+    def model():
+        one = torch.eye(1)
+        ssm = NonlinearGaussianSSM(_Drift(0.0, 3.843), 0.0323 * one, lambda x: 4 * torch.sin(x), 0.0235 * one, torch.zeros(1), one)
+        ssm.transition.a.requires_grad_(False)  # x' = b sin(x)
+        ssm.transition_cov = PyroParam(0.0323 * one, constraints.positive_definite)
+        ssm.observation_cov = PyroParam(0.0235 * one, constraints.positive_definite)
+        return ssm
+
+    one = torch.eye(1)
+    truth = NonlinearGaussianSSM(lambda x: 4 * torch.sin(x), 0.01 * one, lambda x: 4 * torch.sin(x), 0.01 * one, torch.zeros(1), one)
+    ys = _data(truth, 50, 0)
+    grads = {}
+    for schedule in ("parallel", "sequential"):
+        pyro.clear_param_store()
+        ssm = model()
+        out = EPSmoother(ssm, projection="unscented", max_iter=300, tol=1e-8, schedule=schedule).smooth(ys)
+        assert out.converged
+        params = [p for p in ssm.parameters() if p.requires_grad]
+        grads[schedule] = torch.autograd.grad(out.log_evidence, params)
+        if schedule == "parallel":
+            assert used  # the plain adjoint iteration gave up
+    for a, b in zip(grads["parallel"], grads["sequential"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a, b)

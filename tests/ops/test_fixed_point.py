@@ -73,10 +73,26 @@ def test_error_is_raised_in_the_backward_pass_only():
         z.sum().backward()
 
 
-def test_a_map_that_does_not_contract_is_reported():
-    a = torch.tensor(1.5, requires_grad=True)  # theta = 1.5 theta + 1 has theta* = -2, but 1.5 > 1
-    z = implicit_fixed_point(lambda u: a * u + 1, torch.tensor(-2.0), tol=1e-10, max_iter=50)
-    with pytest.raises(RuntimeError, match="did not converge in 50 steps"):
+def test_a_fixed_point_where_the_map_does_not_contract_is_differentiated_by_gmres():
+    # theta = A theta + b with eigenvalues of A at -1.6 and 0.5: the plain adjoint iteration
+    # diverges, but I - A is invertible and theta* = (I - A)^{-1} b is differentiable.
+    g = torch.Generator().manual_seed(3)
+    Q, _ = torch.linalg.qr(torch.randn(5, 5, generator=g))
+    A = (Q @ torch.diag(torch.tensor([-1.6, 0.5, 0.3, -0.2, 0.9])) @ Q.T).requires_grad_()
+    b = torch.randn(5, generator=g).requires_grad_()
+    exact = torch.linalg.solve(torch.eye(5) - A, b)
+    w = torch.linspace(-1, 2, 5)
+    z = implicit_fixed_point(lambda u: A @ u + b, exact.detach(), tol=1e-13, max_iter=50)
+    ours = torch.autograd.grad((w * z).sum() + z.square().sum(), (A, b))
+    closed = torch.autograd.grad((w * exact).sum() + exact.square().sum(), (A, b))
+    for a, c in zip(ours, closed):
+        assert torch.allclose(a, c, rtol=1e-9, atol=1e-11)
+
+
+def test_a_singular_fixed_point_equation_is_reported():
+    a = torch.tensor(1.0, requires_grad=True)  # theta = a theta: every theta is a fixed point at a = 1
+    z = implicit_fixed_point(lambda u: a * u, torch.tensor(2.0), tol=1e-10, max_iter=50)
+    with pytest.raises(RuntimeError, match="did not converge in 50 steps.*GMRES.*singular"):
         z.backward()
 
 
