@@ -31,10 +31,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pyro_smc.infer.ep_sites import _Sites
 from pyro_smc.ops.affine_chain import affine_chain_smoother
+from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.gaussian import is_proper, symmetrize, to_moment, to_natural
+from pyro_smc.ops.results import EPIteration, GaussianSmootherResult
 
-__all__: list[str] = []
+__all__: list[str] = []  # internal: EPSmoother(schedule="parallel") is the interface
 
 
 class _Fitted(NamedTuple):
@@ -138,3 +141,63 @@ def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor,
         eta_new = torch.where(proper.unsqueeze(-1), eta_new, eta_old)
         lam_new = torch.where(proper.unsqueeze(-1).unsqueeze(-1), lam_new, lam_old)
     return _Fitted(cavities.pack(eta_new, lam_new), chain.smoothed_means, chain.smoothed_covs, chain.log_evidence_increments, skipped)
+
+
+def iterate_parallel(smoother, ys: Tensor, observed: Tensor, status: list, start: tuple | None = None):
+    """The first sweep (or ``start``), then parallel iterations until ``tol`` or
+    ``max_iter``: the cavity layout, the last cavities, the last iteration's (means,
+    covariances, evidence terms), the history, the first sweep's result, whether EP converged
+    and the damping reached."""
+    ssm = smoother.ssm
+    T = ys.shape[0]
+    cavities = _Cavities(T, ssm.state_dim, [t for t in range(T) if status[t]])
+    first_sweep, history, converged = None, [], False
+    if start is None:
+        sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), T, ssm.state_dim)
+        skipped = smoother._sweep(sites, ys, observed, status, 1.0, 1.0, [None] * (2 * T))
+        means, covs = sites.moments()
+        first_sweep, history = GaussianSmootherResult(means, covs), [EPIteration(float("inf"), skipped)]
+        theta = initial_cavities(sites, cavities)
+    else:
+        theta, means, covs = start
+    # ``step``: the damping of the move the next change measures (the first sweep: none).
+    # The damping adapts: halved when the change grows (refitting every factor at once can
+    # overshoot where one-at-a-time updates would not), grown back towards ``damping`` when
+    # it shrinks.
+    gamma, step, residual = smoother.damping, 1.0, float("inf")
+    for _ in range(len(history), smoother.max_iter):
+        fitted = parallel_iteration(smoother, cavities, theta, ys, observed, gamma)
+        change = max(float((fitted.means - means).detach().abs().max()), float((fitted.covs - covs).detach().abs().max()))
+        theta, means, covs = fitted.theta, fitted.means, fitted.covs
+        history.append(EPIteration(change, fitted.skipped))
+        # The change the undamped map would make, so that damping cannot fake convergence.
+        residual, previous = change / step, residual
+        if residual < smoother.tol:
+            converged = True
+            break
+        step = gamma
+        gamma = max(gamma / 2, smoother.damping / 8) if residual > previous else min(gamma * 1.5, smoother.damping)
+    return cavities, theta, (means, covs, fitted.increments), history, first_sweep, converged, gamma
+
+
+def parallel_implicit_gradient(smoother, cavities: _Cavities, theta: Tensor, values: tuple, ys: Tensor, observed: Tensor, history: list, converged: bool, gamma: float) -> tuple:
+    """``EPSmoother._with_implicit_gradient`` for the parallel schedule: its fixed point is
+    differentiated through one parallel iteration (damped by ``gamma``, the damping the
+    iteration ended with), which also gives the outputs."""
+    skipped = []
+
+    def iteration(u: Tensor) -> Tensor:
+        fitted = parallel_iteration(smoother, cavities, u, ys, observed, gamma)
+        skipped.append(fitted.skipped)
+        return fitted.theta
+
+    adjoint_tol = max(smoother.tol, 100 * torch.finfo(theta.dtype).eps)
+    z = implicit_fixed_point(iteration, theta, tol=adjoint_tol, max_iter=max(2 * smoother.max_iter, 50), error=lambda: smoother._fixed_point_error(history, converged, skipped))
+    if not z.requires_grad:
+        return values
+    if smoother._fixed_point_error(history, converged, skipped) is not None:
+        # Each output on its own path to z, whose hook raises: the outputs share no graph
+        # that a first refused backward pass could consume.
+        return tuple(v.detach() + 0 * z.sum() for v in values)
+    fitted = parallel_iteration(smoother, cavities, z, ys, observed, gamma)
+    return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, (fitted.means, fitted.covs, fitted.increments)))

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.gp import pinned_posteriors
-from pyro_smc.infer.ep_parallel import _Cavities, initial_cavities, parallel_iteration
+from pyro_smc.infer.ep_parallel import iterate_parallel, parallel_implicit_gradient
 from pyro_smc.infer.ep_sites import Natural, _Sites
 from pyro_smc.infer.gaussian_smoothers import observation_status, observed_moments
 from pyro_smc.infer.projections import Projection, as_projection
@@ -272,7 +272,7 @@ class EPSmoother:
             parallel = self.schedule == "parallel" and self.max_iter > 1
             with torch.no_grad() if implicit else contextlib.nullcontext():
                 if parallel:
-                    cavities, theta, (means, covs, increments), history, first_sweep, converged, gamma = self._iterate_parallel(ys, observed, status, start)
+                    cavities, theta, (means, covs, increments), history, first_sweep, converged, gamma = iterate_parallel(self, ys, observed, status, start)
                     state = EPState("parallel", theta.detach(), tuple(status))
                 else:
                     sites, models, history, first_sweep, converged = self._iterate(ys, observed, status, start)
@@ -280,7 +280,7 @@ class EPSmoother:
                     increments = _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, models, ys)
                     state = EPState("sequential", sites.pack().detach(), tuple(status))
             if implicit and parallel:
-                means, covs, increments = self._parallel_implicit_gradient(cavities, theta, (means, covs, increments), ys, observed, history, converged, gamma)
+                means, covs, increments = parallel_implicit_gradient(self, cavities, theta, (means, covs, increments), ys, observed, history, converged, gamma)
             elif implicit:
                 means, covs, increments = self._with_implicit_gradient(sites, models, (means, covs, increments), ys, observed, status, history, converged)
         return GaussianSmootherResult(
@@ -325,71 +325,14 @@ class EPSmoother:
                 break
         return sites, models, history, first_sweep, converged
 
-    def _iterate_parallel(self, ys: Tensor, observed: Tensor, status: list, start: tuple | None = None):
-        """The first sweep (or ``start``), then parallel iterations until ``tol`` or
-        ``max_iter``: the cavity layout, the last cavities, the last iteration's (means,
-        covariances, evidence terms), the history, the first sweep's result, whether EP converged
-        and the damping reached."""
-        ssm = self.ssm
-        T = ys.shape[0]
-        cavities = _Cavities(T, ssm.state_dim, [t for t in range(T) if status[t]])
-        first_sweep, history, converged = None, [], False
-        if start is None:
-            sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), T, ssm.state_dim)
-            skipped = self._sweep(sites, ys, observed, status, 1.0, 1.0, [None] * (2 * T))
-            means, covs = sites.moments()
-            first_sweep, history = GaussianSmootherResult(means, covs), [EPIteration(float("inf"), skipped)]
-            theta = initial_cavities(sites, cavities)
-        else:
-            theta, means, covs = start
-        # ``step``: the damping of the move the next change measures (the first sweep: none).
-        # The damping adapts: halved when the change grows (refitting every factor at once can
-        # overshoot where one-at-a-time updates would not), grown back towards ``damping`` when
-        # it shrinks.
-        gamma, step, residual = self.damping, 1.0, float("inf")
-        for _ in range(len(history), self.max_iter):
-            fitted = parallel_iteration(self, cavities, theta, ys, observed, gamma)
-            change = max(float((fitted.means - means).detach().abs().max()), float((fitted.covs - covs).detach().abs().max()))
-            theta, means, covs = fitted.theta, fitted.means, fitted.covs
-            history.append(EPIteration(change, fitted.skipped))
-            # The change the undamped map would make, so that damping cannot fake convergence.
-            residual, previous = change / step, residual
-            if residual < self.tol:
-                converged = True
-                break
-            step = gamma
-            gamma = max(gamma / 2, self.damping / 8) if residual > previous else min(gamma * 1.5, self.damping)
-        return cavities, theta, (means, covs, fitted.increments), history, first_sweep, converged, gamma
-
-    def _parallel_implicit_gradient(self, cavities: _Cavities, theta: Tensor, values: tuple, ys: Tensor, observed: Tensor, history: list, converged: bool, gamma: float) -> tuple:
-        """:meth:`_with_implicit_gradient` for the parallel schedule: its fixed point is
-        differentiated through one parallel iteration (damped by ``gamma``, the damping the
-        iteration ended with, under which it contracted), which also gives the outputs."""
-        skipped = []
-
-        def iteration(u: Tensor) -> Tensor:
-            fitted = parallel_iteration(self, cavities, u, ys, observed, gamma)
-            skipped.append(fitted.skipped)
-            return fitted.theta
-
-        adjoint_tol = max(self.tol, 100 * torch.finfo(theta.dtype).eps)
-        z = implicit_fixed_point(iteration, theta, tol=adjoint_tol, max_iter=max(2 * self.max_iter, 50), error=lambda: self._fixed_point_error(history, converged, skipped))
-        if not z.requires_grad:
-            return values
-        if self._fixed_point_error(history, converged, skipped) is not None:
-            # Each output on its own path to z, whose hook raises: the outputs share no graph
-            # that a first refused backward pass could consume.
-            return tuple(v.detach() + 0 * z.sum() for v in values)
-        fitted = parallel_iteration(self, cavities, z, ys, observed, gamma)
-        return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, (fitted.means, fitted.covs, fitted.increments)))
-
     def _fixed_point_error(self, history: list, converged: bool, skipped: list) -> str | None:
         """Why the implicit gradient does not exist (``None``: it does)."""
+        remedy = "use power < 1" if self.schedule == "sequential" else 'try schedule="sequential"'
         if not converged:
             return (
                 f"EPSmoother: EP did not converge in max_iter={self.max_iter} sweeps (last change "
                 f"{history[-1].change:.3g} > tol={self.tol:g}), so its result is not a fixed point and the "
-                "implicit gradient would be wrong; raise max_iter, damp (damping < 1) or use power < 1, "
+                f"implicit gradient would be wrong; raise max_iter, damp (damping < 1), {remedy}, "
                 'or differentiate the sweeps themselves with gradient="unrolled"'
             )
         if sum(skipped):  # a skipped update is the identity map, not the fixed-point equation
