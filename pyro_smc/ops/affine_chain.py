@@ -77,6 +77,14 @@ class AffineChainResult(NamedTuple):
         smoothed_covs: ``(T, d, d)``.
         log_evidence_increments: ``(T,)`` ``log p(r_t | r_{<t})`` over the observed entries;
             exactly 0 at a step with nothing observed.
+
+    Example:
+        >>> import torch
+        >>> eye = torch.eye(1, dtype=torch.float64)
+        >>> out = affine_chain_smoother(torch.zeros(1, dtype=torch.float64), eye, eye.expand(2, 1, 1), torch.zeros(2, 1, dtype=torch.float64),
+        ...                             eye.expand(2, 1, 1), eye.expand(3, 1, 1), torch.ones(3, 1, dtype=torch.float64), eye.expand(3, 1, 1))
+        >>> out.predicted_means[0].item(), round(out.filtered_means[0].item(), 6)   # the prior, then given r_0 = 1
+        (0.0, 0.5)
     """
 
     predicted_means: Tensor
