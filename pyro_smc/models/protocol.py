@@ -107,6 +107,10 @@ class GaussianStateSpaceModel(StateSpaceModel, Protocol):
         transition_fn: ``f(x, t)`` ``(..., d) -> (..., d)`` or a GP posterior.
         observation_fn: ``g(x, t)`` ``(..., d) -> (..., e)`` or a GP posterior.
 
+    A callable that ignores ``t`` may say so with an attribute ``time_invariant = True``; the
+    parallel EP schedule then evaluates it at every time step in one call instead of one call per
+    step (``NonlinearGaussianSSM`` marks its maps without a time argument).
+
     Example:
         A linear-Gaussian model is one; a chaotic RNN with Student-t observations is not:
 
