@@ -27,9 +27,15 @@ class _Sites:
 
     def marginal(self, t: int, skip: str | None = None, alpha: float = 1.0) -> Natural:
         """``q(x_t)``, with the message named ``skip`` raised to ``1 - alpha`` (the cavity)."""
-        parts = {k: v[t] for k, v in self.messages.items()}
-        eta = sum((1 - alpha if k == skip else 1.0) * v[0] for k, v in parts.items())
-        lam = sum((1 - alpha if k == skip else 1.0) * v[1] for k, v in parts.items())
+        # Two or three additions per call: this runs several times per message update, and with
+        # small matrices the number of tensor operations is the cost.
+        kept = [self.messages[k][t] for k in _KINDS if k != skip]
+        eta, lam = kept[0][0] + kept[1][0], kept[0][1] + kept[1][1]
+        if skip is None:
+            eta, lam = eta + kept[2][0], lam + kept[2][1]
+        elif alpha != 1.0:
+            left = self.messages[skip][t]
+            eta, lam = eta + (1 - alpha) * left[0], lam + (1 - alpha) * left[1]
         return eta, lam
 
     def accept(self, kind: str, t: int, new: Natural, gamma: float) -> bool:

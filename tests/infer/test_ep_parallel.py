@@ -69,7 +69,8 @@ def test_parallel_fixed_point_and_gradient_equal_the_sequential_ones(model, proj
     for a, b, c in zip(g_par, g_seq, g_unrolled):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a, b)
         assert torch.allclose(a, c, rtol=1e-6, atol=1e-7), (a, c)
-    _directional_checks(lambda: _loss(run("parallel", tol=1e-13)), params, g_par, seed)
+    if model is _pendulum_model:  # the others' sequential gradients are checked so in test_ep_smoother_gradients
+        _directional_checks(lambda: _loss(run("parallel", tol=1e-13)), params, g_par, seed)
 
 
 def test_gp_dynamics_parallel_equals_sequential_and_finite_differences():
