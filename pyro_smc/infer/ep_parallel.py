@@ -31,11 +31,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.ep_sites import _Sites
 from pyro_smc.ops.affine_chain import affine_chain_smoother
-from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.gaussian import is_proper, symmetrize, to_moment, to_natural
-from pyro_smc.ops.results import EPIteration, GaussianSmootherResult
+from pyro_smc.ops.kalman import mask_missing
+from pyro_smc.ops.results import EPIteration
 
 __all__: list[str] = []  # internal: EPSmoother(schedule="parallel") is the interface
 
@@ -56,9 +55,10 @@ class _Cavities:
     """The cavities of the transitions (out of ``t = 0 .. T-2``) and of the measurements (at the
     steps with data), in natural form, as one flat vector ``theta``: etas then precisions."""
 
-    def __init__(self, T: int, d: int, measured: list[int]):
+    def __init__(self, T: int, d: int, measured: list[int], device: torch.device | None = None):
         self.T, self.d, self.measured = T, d, measured
         self.n = (T - 1) + len(measured)
+        self.index = torch.tensor(measured, dtype=torch.long, device=device)  # built once, used every iteration
 
     def pack(self, eta: Tensor, lam: Tensor) -> Tensor:
         return torch.cat([eta.reshape(-1), lam.reshape(-1)])
@@ -101,19 +101,15 @@ def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor,
     H, resid = like.new_zeros(T, e, d), like.new_zeros(T, e)
     R = torch.eye(e, dtype=like.dtype, device=like.device).expand(T, e, e)
     mask = torch.zeros(T, e, dtype=torch.bool, device=like.device)
-    idx = torch.tensor(cavities.measured, dtype=torch.long, device=like.device)
+    idx = cavities.index
     if cavities.measured:
         m, P = to_moment(eta_ms, lam_ms)
         mu, S, C = smoother._observation_projection.moments_batch(ssm.observation_fn, m, P, cavities.measured, ssm.observation_cov)
         Hm = torch.linalg.solve(P, C).transpose(-1, -2)
         obs = observed[idx]
-        weight = obs.to(like.dtype)
-        # Unobserved entries: zero rows of H, zero residual, unit noise uncorrelated with the rest
-        # (the masking of ops.kalman.masked_update, which the chain smoother applies too).
-        y = torch.where(obs, ys[idx], torch.zeros_like(ys[idx]))
-        resid_m = (y - mu + (Hm @ m.unsqueeze(-1)).squeeze(-1)) * weight
-        Rm = symmetrize(S - Hm @ C) * (weight.unsqueeze(-1) * weight.unsqueeze(-2)) + torch.diag_embed(1 - weight)
-        Hm = Hm * weight.unsqueeze(-1)
+        # Unobserved entries made uninformative once, here: the measurement messages below
+        # need the same masked model as the chain.
+        Hm, resid_m, Rm = mask_missing(Hm, ys[idx] - mu + (Hm @ m.unsqueeze(-1)).squeeze(-1), symmetrize(S - Hm @ C), obs)
         H, resid, R, mask = H.index_copy(0, idx, Hm), resid.index_copy(0, idx, resid_m), R.index_copy(0, idx, Rm), mask.index_copy(0, idx, obs)
     # 3. The exact messages of the fitted chain.
     chain = affine_chain_smoother(ssm.init_mean, ssm.init_cov, F, offset, noise, H, resid, R, mask)
@@ -150,13 +146,11 @@ def iterate_parallel(smoother, ys: Tensor, observed: Tensor, status: list, start
     and the damping reached."""
     ssm = smoother.ssm
     T = ys.shape[0]
-    cavities = _Cavities(T, ssm.state_dim, [t for t in range(T) if status[t]])
+    cavities = _Cavities(T, ssm.state_dim, [t for t in range(T) if status[t]], ys.device)
     first_sweep, history, converged = None, [], False
     if start is None:
-        sites = _Sites(to_natural(ssm.init_mean, ssm.init_cov), T, ssm.state_dim)
-        skipped = smoother._sweep(sites, ys, observed, status, 1.0, 1.0, [None] * (2 * T))
-        means, covs = sites.moments()
-        first_sweep, history = GaussianSmootherResult(means, covs), [EPIteration(float("inf"), skipped)]
+        sites, _, history, first_sweep, _ = smoother._iterate(ys, observed, status, sweeps=1)
+        means, covs = first_sweep.means, first_sweep.covariances
         theta = initial_cavities(sites, cavities)
     else:
         theta, means, covs = start
@@ -191,13 +185,8 @@ def parallel_implicit_gradient(smoother, cavities: _Cavities, theta: Tensor, val
         skipped.append(fitted.skipped)
         return fitted.theta
 
-    adjoint_tol = max(smoother.tol, 100 * torch.finfo(theta.dtype).eps)
-    z = implicit_fixed_point(iteration, theta, tol=adjoint_tol, max_iter=max(2 * smoother.max_iter, 50), error=lambda: smoother._fixed_point_error(history, converged, skipped))
-    if not z.requires_grad:
-        return values
-    if smoother._fixed_point_error(history, converged, skipped) is not None:
-        # Each output on its own path to z, whose hook raises: the outputs share no graph
-        # that a first refused backward pass could consume.
-        return tuple(v.detach() + 0 * z.sum() for v in values)
-    fitted = parallel_iteration(smoother, cavities, z, ys, observed, gamma)
-    return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, (fitted.means, fitted.covs, fitted.increments)))
+    def outputs_at(z: Tensor) -> tuple:
+        fitted = parallel_iteration(smoother, cavities, z, ys, observed, gamma)
+        return fitted.means, fitted.covs, fitted.increments
+
+    return smoother._implicit_values(iteration, outputs_at, theta, values, history, converged, skipped)

@@ -299,17 +299,17 @@ class EPSmoother:
             raise ValueError("init comes from observations with other steps missing (or another length); warm starts need the same pattern")
         return state.theta, init.means.detach(), init.covariances.detach()
 
-    def _iterate(self, ys: Tensor, observed: Tensor, status: list, start: tuple | None = None):
-        """The EP sweeps until ``tol`` or ``max_iter`` (from ``start``, see :meth:`_warm_start`):
-        the sites, the last sweep's models, the history, the first sweep's result and whether EP
-        converged."""
+    def _iterate(self, ys: Tensor, observed: Tensor, status: list, start: tuple | None = None, sweeps: int | None = None):
+        """The EP sweeps until ``tol`` or ``sweeps`` (default ``max_iter``), from ``start`` (see
+        :meth:`_warm_start`): the sites, the last sweep's models, the history, the first sweep's
+        result and whether EP converged."""
         ssm = self.ssm
         T, d, prior = ys.shape[0], ssm.state_dim, to_natural(ssm.init_mean, ssm.init_cov)
         sites = _Sites(prior, T, d) if start is None else _Sites.unpack(prior, start[0], T, d, status)
         history: list[EPIteration] = []
         first_sweep, previous, converged = None, None if start is None else start[1:], False
         models: list = [None] * (2 * ys.shape[0])  # the last sweep's measurement models, then transitions
-        for sweep in range(self.max_iter):
+        for sweep in range(self.max_iter if sweeps is None else sweeps):
             first = sweep == 0 and start is None
             alpha = 1.0 if first else self.power
             gamma = 1.0 if first else self.damping
@@ -354,17 +354,29 @@ class EPSmoother:
             skipped.append(self._sweep(at, ys, observed, status, self.power, self.damping, list(models) if fitted is None else fitted))
             return at.pack()
 
-        theta = sites.pack()
+        def outputs_at(z: Tensor) -> tuple:
+            fitted = list(models)
+            sweep(z, fitted)
+            at = _Sites.unpack(prior, z, T, d, status)
+            return (*at.moments(), _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, fitted, ys))
+
+        return self._implicit_values(sweep, outputs_at, sites.pack(), values, history, converged, skipped)
+
+    def _implicit_values(self, iteration, outputs_at, theta: Tensor, values: tuple, history: list, converged: bool, skipped: list) -> tuple:
+        """``values`` carrying the gradient of the fixed point ``theta = iteration(theta)``
+        (either schedule's map; it records in ``skipped`` the updates it skipped), with
+        ``outputs_at(z)`` the outputs recomputed from the differentiable fixed point ``z``. The
+        values themselves stay those of the iteration."""
+        error = lambda: self._fixed_point_error(history, converged, skipped)  # noqa: E731
         adjoint_tol = max(self.tol, 100 * torch.finfo(theta.dtype).eps)
-        z = implicit_fixed_point(sweep, theta, tol=adjoint_tol, max_iter=max(2 * self.max_iter, 50), error=lambda: self._fixed_point_error(history, converged, skipped))
+        z = implicit_fixed_point(iteration, theta, tol=adjoint_tol, max_iter=max(2 * self.max_iter, 50), error=error)
         if not z.requires_grad:
             return values  # no tensor of the model requires grad: nothing to differentiate
-        fitted = list(models)
-        sweep(z, fitted)
-        at = _Sites.unpack(prior, z, T, d, status)
-        grad_values = (*at.moments(), _ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, fitted, ys))
-        # The iteration's values with the gradient of the implicit construction.
-        return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, grad_values))
+        if error() is not None:
+            # Known now (the one evaluation of ``iteration`` has run): each output gets its own
+            # path to z, whose hook raises, so no refused backward pass consumes a shared graph.
+            return tuple(v.detach() + 0 * z.sum() for v in values)
+        return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, outputs_at(z)))
 
     def _sweep(self, sites: _Sites, ys: Tensor, observed: Tensor, status: list, alpha: float, gamma: float, models: list) -> int:
         """One forward-backward pass of site updates; returns the number of updates skipped

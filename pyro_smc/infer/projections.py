@@ -93,10 +93,7 @@ class Projection:
         Returns:
             ``(mu_a (e,), S_a (e, e) symmetrised, C (d, e))``.
         """
-        mu, S, C = self.map_moments(fn, mean, cov, t)
-        if noise_cov is not None:
-            S = S + noise_cov
-        return mu, (S + S.transpose(-1, -2)) / 2, C
+        return _with_noise(*self.map_moments(fn, mean, cov, t), noise_cov)
 
     def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`map_moments` at a batch of Gaussians, ``mean`` ``(B, d)`` and ``cov``
@@ -122,10 +119,7 @@ class Projection:
             >>> all(torch.allclose(b[3], o) for b, o in zip(batched, one))
             True
         """
-        mu, S, C = self.map_moments_batch(fn, mean, cov, ts)
-        if noise_cov is not None:
-            S = S + noise_cov
-        return mu, (S + S.transpose(-1, -2)) / 2, C
+        return _with_noise(*self.map_moments_batch(fn, mean, cov, ts), noise_cov)
 
     def for_factor(self, factor: str) -> Projection:
         """The projection to use for ``factor`` (``"transition"`` or ``"observation"``)."""
@@ -273,6 +267,13 @@ class MomentMatching(Projection):
 
     def __repr__(self) -> str:
         return f"MomentMatching(fallback={self.fallback!r})"
+
+
+def _with_noise(mu: Tensor, S: Tensor, C: Tensor, noise_cov: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    # The moments of fn(x) + noise: S gains the noise covariance and is symmetrised.
+    if noise_cov is not None:
+        S = S + noise_cov
+    return mu, (S + S.transpose(-1, -2)) / 2, C
 
 
 def unscented_settings(unscented: dict | None, factor: str) -> dict | None:

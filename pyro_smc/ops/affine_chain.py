@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.ops.gaussian import symmetrize
-from pyro_smc.ops.kalman import masked_update, predict, smooth_step, update
+from pyro_smc.ops.kalman import mask_missing, masked_update, predict, smooth_step, update
 
 __all__ = ["AffineChainResult", "affine_chain_smoother", "associative_scan"]
 
@@ -186,16 +186,8 @@ def _filter_elements(F: Tensor, c: Tensor, Q: Tensor, H: Tensor, r: Tensor, R: T
     return torch.cat([A, b, symmetrize(Q - Kt.mT @ HQ), HF.mT @ Sres, symmetrize(HF.mT @ SHF)], -1)
 
 
-def _mask(H: Tensor, r: Tensor, R: Tensor, observed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    if observed is None:
-        return H, r, R
-    obs = observed.to(H.dtype)
-    R = R * (obs.unsqueeze(-1) * obs.unsqueeze(-2)) + torch.diag_embed(1 - obs)
-    return H * obs.unsqueeze(-1), torch.where(observed, r, torch.zeros_like(r)), R
-
-
 def _parallel(m0: Tensor, P0: Tensor, F: Tensor, c: Tensor, Q: Tensor, H: Tensor, r: Tensor, R: Tensor, observed: Tensor | None) -> AffineChainResult:
-    Hm, rm, Rm = _mask(H, r, R, observed)
+    Hm, rm, Rm = (H, r, R) if observed is None else mask_missing(H, r, R, observed)
     m, P, _ = update(m0, P0, rm[0], Hm[0], Rm[0])
     zero = P.new_zeros(1, *P.shape)
     first = torch.cat([zero, m[None, :, None], P[None], m.new_zeros(1, m.shape[0], 1), zero], -1)

@@ -31,7 +31,7 @@ from torch import Tensor
 # The result types live with the other engines' results; re-exported here, where they began.
 from pyro_smc.ops.results import FilterResult, SmootherResult
 
-__all__ = ["FilterResult", "SmootherResult", "predict", "update", "masked_update", "smooth_step", "kalman_filter", "rts_smoother"]
+__all__ = ["FilterResult", "SmootherResult", "predict", "update", "mask_missing", "masked_update", "smooth_step", "kalman_filter", "rts_smoother"]
 
 
 def _mv(matrix: Tensor, vector: Tensor) -> Tensor:
@@ -101,6 +101,30 @@ def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[
     return new_mean, new_cov, log_lik
 
 
+def mask_missing(C: Tensor, y: Tensor, R: Tensor, observed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The measurement model ``y = C x + v`` with the entries where ``observed`` is false made
+    uninformative and shape-preserving: a zero row of ``C``, ``y_i = 0`` and unit noise
+    uncorrelated with the other entries (see :func:`masked_update`).
+
+    Args:
+        C: ``(..., dy, d)``.
+        y: ``(..., dy)``; entries where ``observed`` is false may be NaN.
+        R: ``(..., dy, dy)``.
+        observed: bool ``(..., dy)``.
+
+    Returns:
+        ``(C, y, R)`` masked.
+
+    Example:
+        >>> C, y, R = mask_missing(torch.ones(2, 1), torch.tensor([1.0, float("nan")]), torch.ones(2, 2), torch.tensor([True, False]))
+        >>> C.tolist(), y.tolist(), R.tolist()
+        ([[1.0], [0.0]], [1.0, 0.0], [[1.0, 0.0], [0.0, 1.0]])
+    """
+    obs = observed.to(C.dtype)
+    R = R * (obs.unsqueeze(-1) * obs.unsqueeze(-2)) + torch.diag_embed(1 - obs)
+    return C * obs.unsqueeze(-1), torch.where(observed, y, torch.zeros_like(y)), R
+
+
 def masked_update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor, observed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`update` on the entries of ``y`` where ``observed`` (bool, shape of ``y``) is true.
 
@@ -129,13 +153,9 @@ def masked_update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor, ob
         >>> [round(v, 4) for v in m.tolist() + P.diagonal().tolist()], bool(torch.isclose(ll, ll1))
         ([0.5, 0.0, 0.5, 1.0], True)
     """
-    obs = observed.to(C.dtype)
-    C = C * obs.unsqueeze(-1)
-    both = obs.unsqueeze(-1) * obs.unsqueeze(-2)
-    R = R * both + torch.diag_embed(1 - obs)
-    y = torch.where(observed, y, torch.zeros_like(y))
+    C, y, R = mask_missing(C, y, R, observed)
     new_mean, new_cov, log_lik = update(mean, cov, y, C, R)
-    log_lik = log_lik + 0.5 * math.log(2 * math.pi) * (1 - obs).sum(-1)
+    log_lik = log_lik + 0.5 * math.log(2 * math.pi) * (~observed).sum(-1).to(log_lik.dtype)
     # An unobserved step adds exactly 0, not the rounding error of the correction.
     return new_mean, new_cov, torch.where(observed.any(-1), log_lik, torch.zeros_like(log_lik))
 
