@@ -687,4 +687,3 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
                     warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
                 else:
                     warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
-
