@@ -162,7 +162,8 @@ def make_guide(name: str, model):
     if name == "AutoLowRankMVN(10)":
         return AutoLowRankMultivariateNormal(model, rank=10, init_scale=INIT_SCALE)
     kind = {"K-Diag": "diag", "K-Linear": "linear", "K-Nonlinear": "nonlinear"}[name]
-    return AutoKroneckerFlow(model, kind=kind, flow="additive_coupling", hidden_dims=(32,), init_scale=INIT_SCALE)
+    flow_options = {"flow": "additive_coupling", "hidden_dims": (32,)} if kind == "nonlinear" else {}  # "diag"/"linear" have no flow
+    return AutoKroneckerFlow(model, kind=kind, init_scale=INIT_SCALE, **flow_options)
 
 
 GUIDES = ["AutoNormal", "AutoLowRankMVN(10)", "K-Diag", "K-Linear", "K-Nonlinear"]

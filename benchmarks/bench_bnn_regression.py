@@ -171,7 +171,8 @@ def make_guide(name: str, model):
     if name == "AutoLowRankMVN(10)":
         return AutoLowRankMultivariateNormal(model, rank=10, init_loc_fn=init_to_median, init_scale=INIT_SCALE)
     kind = {"K-Diag": "diag", "K-Linear": "linear", "K-Nonlinear": "nonlinear"}[name]
-    return AutoKroneckerFlow(model, kind=kind, hidden_dims=(32,), init_loc_fn=init_to_median, init_scale=INIT_SCALE)
+    flow_options = {"hidden_dims": (32,)} if kind == "nonlinear" else {}  # "diag"/"linear" have no flow
+    return AutoKroneckerFlow(model, kind=kind, init_loc_fn=init_to_median, init_scale=INIT_SCALE, **flow_options)
 
 
 @torch.no_grad()

@@ -189,7 +189,8 @@ def make_guide(name: str, model, init_values: dict[str, torch.Tensor]):
     if name.startswith("AutoLowRankMVN"):
         return AutoLowRankMultivariateNormal(model, rank=LOW_RANK, init_loc_fn=init_fn, init_scale=INIT_SCALE)
     kind = {"K-Diag": "diag", "K-Linear": "linear", "K-Nonlinear": "nonlinear"}[name]
-    return AutoKroneckerFlow(model, kind=kind, flow="additive_coupling", hidden_dims=(32,), init_loc_fn=init_fn, init_scale=INIT_SCALE)
+    flow_options = {"flow": "additive_coupling", "hidden_dims": (32,)} if kind == "nonlinear" else {}  # "diag"/"linear" have no flow
+    return AutoKroneckerFlow(model, kind=kind, init_loc_fn=init_fn, init_scale=INIT_SCALE, **flow_options)
 
 
 # --- agent ---------------------------------------------------------------------------------------

@@ -53,11 +53,19 @@ from pyro_smc.ops.kronecker import (
 __all__ = ["MatrixNormal"]
 
 
+_FLOATS = (torch.float32, torch.float64)
+
+
 def _check_square(name: str, value: Tensor, size: int, what: str) -> None:
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{name} must be a tensor of shape (..., {what}, {what}), got {type(value).__name__}")
     if value.dim() < 2 or value.shape[-1] != value.shape[-2]:
         raise ValueError(f"{name} must be a square matrix (..., {what}, {what}), got shape {tuple(value.shape)}")
     if value.shape[-1] != size:
         raise ValueError(f"{name} must have shape (..., {size}, {size}) to match loc's {what} = {size}, got shape {tuple(value.shape)}")
+    # Triangular solves exist for float32/float64 only: other dtypes would fail later, in log_prob.
+    if value.dtype not in _FLOATS:
+        raise ValueError(f"{name} must be float32 or float64, got {value.dtype}")
     # torch's lower_cholesky constraint lets inf through; an infinite scale is never meant.
     if not bool(torch.isfinite(value.detach()).all()):
         raise ValueError(f"{name} has non-finite entries")
@@ -78,10 +86,16 @@ class MatrixNormal(TorchDistribution):
                    - n sum log diag L_col - (n p / 2) log 2 pi.
 
     Args:
-        loc: mean ``M``, shape ``(..., n, p)``.
+        loc: mean ``M``, shape ``(..., n, p)`` with ``n, p >= 1``, finite, float32 or float64.
         scale_tril_row: ``L_row``, lower triangular with positive diagonal, ``(..., n, n)``.
         scale_tril_col: ``L_col``, lower triangular with positive diagonal, ``(..., p, p)``.
-        validate_args: as for torch distributions.
+        validate_args: as for torch distributions (the lower-Cholesky checks of the scales).
+
+    Raises:
+        ValueError: shapes that do not match or broadcast, a zero-size dim, non-finite entries, a
+            dtype other than float32/float64 or different devices (each naming the argument); with
+            validation, a scale that is not lower triangular with positive diagonal. Mixed float32
+            and float64 arguments are promoted to float64, as in torch's distributions.
 
     Event shape ``(n, p)``; batch shape is the broadcast of the three arguments' leading dims.
 
@@ -106,9 +120,23 @@ class MatrixNormal(TorchDistribution):
     def __init__(self, loc: Tensor, scale_tril_row: Tensor, scale_tril_col: Tensor, validate_args: bool | None = None) -> None:
         if not isinstance(loc, Tensor) or loc.dim() < 2:
             raise ValueError(f"loc must be a tensor of shape (..., n, p), got {tuple(getattr(loc, 'shape', ()))}")
+        if loc.numel() == 0:
+            # torch's Cholesky constraint checks cannot reduce over empty tensors.
+            raise ValueError(f"loc must have no zero-size dims (at least one 1 x 1 matrix), got shape {tuple(loc.shape)}")
+        if loc.dtype not in _FLOATS:
+            raise ValueError(f"loc must be float32 or float64, got {loc.dtype}")
+        # torch's `real` constraint only rejects NaN; an infinite mean gives -inf/NaN densities.
+        if not bool(torch.isfinite(loc.detach()).all()):
+            raise ValueError("loc has non-finite entries")
         n, p = loc.shape[-2:]
         _check_square("scale_tril_row", scale_tril_row, n, "n")
         _check_square("scale_tril_col", scale_tril_col, p, "p")
+        for name, value in (("scale_tril_row", scale_tril_row), ("scale_tril_col", scale_tril_col)):
+            if value.device != loc.device:
+                raise ValueError(f"{name} must be on loc's device {loc.device}, got {value.device}")
+        # Mixed float dtypes are promoted to a common one, as torch's broadcast_all does for Normal.
+        dtype = torch.promote_types(torch.promote_types(loc.dtype, scale_tril_row.dtype), scale_tril_col.dtype)
+        loc, scale_tril_row, scale_tril_col = loc.to(dtype), scale_tril_row.to(dtype), scale_tril_col.to(dtype)
         try:
             batch_shape = torch.broadcast_shapes(loc.shape[:-2], scale_tril_row.shape[:-2], scale_tril_col.shape[:-2])
         except RuntimeError as e:

@@ -179,7 +179,7 @@ def test_kronecker_flow_svi_predictive_and_arviz(opts, kind):
             pyro.sample("y", dist.Normal(x @ w, 0.1).to_event(1), obs=y)
 
     with strict(opts):
-        guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(8,))
+        guide = AutoKroneckerFlow(model, kind=kind, **({"hidden_dims": (8,)} if kind == "nonlinear" else {}))
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
         losses = [svi.step(x, y) for _ in range(300)]
         draws = Predictive(model, guide=guide, num_samples=20, return_sites=["w"])(x)["w"]
@@ -210,7 +210,7 @@ def test_kronecker_flow_local_and_constrained_sites(opts, kind):
             pyro.sample("y", dist.Normal(mean, 1.0), obs=data[idx])
 
     with strict(opts):
-        guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(4,))
+        guide = AutoKroneckerFlow(model, kind=kind, **({"hidden_dims": (4,)} if kind == "nonlinear" else {}))
         svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), JitTrace_ELBO(ignore_jit_warnings=True))
         losses = [svi.step() for _ in range(3)]
         sample, median = guide(), guide.median()

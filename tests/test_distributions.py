@@ -11,7 +11,7 @@ from torch.distributions import MultivariateNormal, kl_divergence
 import pyro_smc.distributions as pd
 from pyro_smc.distributions import MatrixNormal
 from pyro_smc.ops.kronecker import vec
-from tests.property_cases import BATCH, BUG, F32, FLOAT_DTYPES, PROPERTY, SEEDS, dense_kron, gen, random_tril
+from tests.property_cases import BATCH, BUG, F32, F64, FLOAT_DTYPES, PROPERTY, SEEDS, dense_kron, gen, random_tril
 from tests.tolerances import EXACT_ATOL, EXACT_RTOL, MC_SIGMAS
 
 SHAPES = [(1, 1), (3, 2), (2, 4)]
@@ -312,3 +312,58 @@ def test_matrix_normal_rejects_an_infinite_scale(n, p, dtype, which):
     col = scale if which == "col" else torch.eye(p, dtype=dtype)
     with pytest.raises(ValueError, match=f"scale_tril_{which}"):
         MatrixNormal(torch.zeros(n, p, dtype=dtype), row, col)
+
+
+# =================================================================================================
+# Inputs found by the property suite (issue 26); each failed before its fix
+# =================================================================================================
+def test_scale_trils_must_be_tensors():
+    # Before: AttributeError: 'list' object has no attribute 'dim'.
+    with pytest.raises(ValueError, match="scale_tril_row"):
+        MatrixNormal(torch.zeros(2, 2), [[1.0, 0.0], [0.0, 1.0]], torch.eye(2))
+    with pytest.raises(ValueError, match="scale_tril_col"):
+        MatrixNormal(torch.zeros(2, 2), torch.eye(2), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("which", ["loc", "scale_tril_row", "scale_tril_col"])
+def test_parameters_must_be_float32_or_float64(dtype, which):
+    # Before: a long loc built a distribution whose rsample raised NotImplementedError, a bool loc
+    # failed in log_prob, float16 log_prob raised "triangular_solve_cpu not implemented for 'Half'".
+    args = {"loc": torch.zeros(3, 2), "scale_tril_row": torch.eye(3), "scale_tril_col": torch.eye(2)}
+    args[which] = args[which].to(dtype)
+    with pytest.raises(ValueError, match=which):
+        MatrixNormal(**args)
+
+
+@pytest.mark.parametrize("which", ["loc", "scale_tril_row", "scale_tril_col"])
+def test_mixed_float_dtypes_are_promoted(which):
+    # Before: log_prob promoted to float64 but rsample raised "expected m1 and m2 to have the same
+    # dtype". Now every argument is promoted, as torch's broadcast_all does for Normal.
+    args = {"loc": torch.zeros(3, 2, dtype=F32), "scale_tril_row": torch.eye(3, dtype=F32), "scale_tril_col": torch.eye(2, dtype=F32)}
+    args[which] = 0.5 * args[which].double() if which != "loc" else args[which].double() + 1.0
+    d = MatrixNormal(**args)
+    w = d.rsample((2,))
+    assert w.dtype == F64 and d.log_prob(w).dtype == F64 and d.entropy().dtype == F64
+    reference = MatrixNormal(*(args[k].double() for k in ("loc", "scale_tril_row", "scale_tril_col")))
+    torch.testing.assert_close(d.log_prob(w), reference.log_prob(w))
+    # A value of another float dtype is promoted too (it was before).
+    torch.testing.assert_close(reference.log_prob(w.float()), reference.log_prob(w.float().double()))
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf])
+def test_loc_must_be_finite(value):
+    # Before: accepted (torch's `real` constraint only rejects NaN); every log_prob was -inf or NaN.
+    loc = torch.zeros(3, 2)
+    loc[1, 0] = value
+    with pytest.raises(ValueError, match="loc"):
+        MatrixNormal(loc, torch.eye(3), torch.eye(2))
+
+
+@pytest.mark.parametrize("shape", [(0, 2), (2, 0), (0, 0), (0, 3, 2)])
+def test_empty_shapes_are_errors_naming_loc(shape):
+    # Before: IndexError "min(): Expected reduction dim 0 to have non-zero size" or RuntimeError
+    # "cannot reshape tensor of 0 elements" from torch's constraint checks.
+    n, p = shape[-2:]
+    with pytest.raises(ValueError, match="loc"):
+        MatrixNormal(torch.zeros(shape), torch.eye(n), torch.eye(p))

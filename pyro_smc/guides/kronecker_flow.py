@@ -52,6 +52,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from contextlib import ExitStack, nullcontext
 from operator import attrgetter
 
@@ -82,27 +83,36 @@ class AutoKroneckerFlow(AutoGuide):
     Args:
         model: a Pyro model (a ``PyroModule`` BNN with ``PyroSample`` weights works as is).
         kind: ``"diag"``, ``"linear"`` or ``"nonlinear"``, or a
-            :class:`~pyro_smc.guides.kronecker_kinds.KroneckerKind` object.
-        flow: the K-Nonlinear flow of every column and row: ``"additive_coupling"``
-            (volume-preserving, NICE; the paper's), ``"affine_coupling"`` (RealNVP) or ``"iaf"``
-            (affine autoregressive). ``"realnvp"`` is a deprecated name of ``"additive_coupling"``.
-        hidden_dims: hidden sizes of the flows' conditioner networks.
+            :class:`~pyro_smc.guides.kronecker_kinds.KroneckerKind` instance.
+        flow: ``kind="nonlinear"`` only: the K-Nonlinear flow of every column and row,
+            ``"additive_coupling"`` (the default; volume-preserving, NICE; the paper's),
+            ``"affine_coupling"`` (RealNVP) or ``"iaf"`` (affine autoregressive). ``"realnvp"`` is a
+            deprecated name of ``"additive_coupling"``.
+        hidden_dims: ``kind="nonlinear"`` only: hidden sizes of the flows' conditioner networks,
+            default ``(32,)``; with ``"iaf"`` each must be at least the longer side of every matrix.
         init_loc_fn: initial values of the locations (Pyro's init strategies).
         init_scale: initial posterior standard deviation of every unconstrained entry.
         create_plates: as for every ``AutoGuide`` (e.g. to pass the model's subsample indices).
 
     Attributes:
+        kind: the kind's name.
+        flow: the flow in use (``None`` for a kind without a flow).
+        hidden_dims: the conditioner networks' hidden sizes in use (``None`` for a kind without a flow).
         matrix_sites: ``{name: (n, p)}`` of the sites given a Kronecker posterior (after the
             first call); empty for a model without matrix sites, which then gets ``AutoNormal``'s
-            family.
+            family. A site with no entries (a zero in its shape) is not a matrix site: like every
+            other site it gets ``AutoNormal``'s (here trivial) family.
         quantile_samples: draws behind the Monte Carlo :meth:`quantiles` of ``"nonlinear"``
-            matrix sites (default 4096).
+            matrix sites (default 4096, at least 2).
 
     Calling the guide with the model's arguments returns ``{site: value}``, one draw of every
     latent site in the site's own shape (an ``(n, p)`` matrix for a matrix site).
 
     Raises:
-        ValueError: ``init_scale <= 0``, or an unknown ``kind`` or ``flow``.
+        ValueError: ``init_scale`` not finite and positive; an unknown ``kind`` or ``flow``;
+            ``flow`` or ``hidden_dims`` with a kind that has no flow (``"diag"``, ``"linear"``) or
+            next to a kind object (which carries its own); malformed ``hidden_dims``. On the first
+            call: ``flow="iaf"`` with a hidden size below a side of a matrix site (naming the site).
 
     Example:
         Matrix sites get the flow posterior, scalar ones a mean-field normal:
@@ -125,12 +135,24 @@ class AutoKroneckerFlow(AutoGuide):
 
     quantile_samples = 4096
 
-    def __init__(self, model, kind: str | KroneckerKind = "nonlinear", flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,), init_loc_fn=init_to_median, init_scale: float = 0.1, create_plates=None):
-        flow = canonical_flow(flow)
-        if not (isinstance(init_scale, (int, float)) and init_scale > 0):
-            raise ValueError(f"init_scale must be > 0, got {init_scale!r}")
+    def __init__(
+        self,
+        model,
+        kind: str | KroneckerKind = "nonlinear",
+        flow: str | None = None,
+        hidden_dims: tuple[int, ...] | None = None,
+        init_loc_fn=init_to_median,
+        init_scale: float = 0.1,
+        create_plates=None,
+    ):
+        if isinstance(init_scale, bool) or not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+        if flow is not None and isinstance(kind, str) and kind == "nonlinear":
+            flow = canonical_flow(flow)  # here, so that a deprecation warning points at the caller
+        # None means "not given": flow and hidden_dims given to a kind without a flow are errors.
         self._kind = as_kind(kind, flow, hidden_dims)
-        self.kind, self.flow, self.hidden_dims = self._kind.name, getattr(self._kind, "flow", flow), tuple(hidden_dims)
+        self.kind = self._kind.name
+        self.flow, self.hidden_dims = getattr(self._kind, "flow", None), getattr(self._kind, "hidden_dims", None)
         self.init_loc_fn, self._init_scale = init_loc_fn, float(init_scale)
         # As Pyro's AutoNormal does: the prototype trace (hence every location) follows init_loc_fn.
         model = InitMessenger(self.init_loc_fn)(model)
@@ -157,23 +179,41 @@ class AutoKroneckerFlow(AutoGuide):
                 if full_size != frame.size:
                     loc = periodic_repeat(loc, full_size, frame.dim - event_dim).contiguous()
             self._event_dims[name], self._shapes[name] = event_dim, loc.shape
-            if event_dim < 2:
-                deep_setattr(self.locs, name, PyroParam(loc, constraints.real, event_dim))
-                deep_setattr(self.scales, name, PyroParam(torch.full_like(loc, self._init_scale), constraints.positive, event_dim))
+            # A site with no entries has nothing to correlate: AutoNormal's (trivial) family, as
+            # AutoNormal gives it (torch's Cholesky constraint checks fail on empty matrices).
+            if event_dim < 2 or loc.numel() == 0:
+                self._set_param("locs", name, loc, constraints.real, event_dim)
+                self._set_param("scales", name, torch.full_like(loc, self._init_scale), constraints.positive, event_dim)
                 continue
             batch, event = loc.shape[: loc.dim() - event_dim], loc.shape[loc.dim() - event_dim :]
             n, p = event[0], math.prod(event[1:])
             self.matrix_sites[name] = (n, p)
-            deep_setattr(self.locs, name, PyroParam(loc.reshape(batch + (n, p)), constraints.real, 2))
+            self._set_param("locs", name, loc.reshape(batch + (n, p)), constraints.real, 2)
             # The entry scale init_scale is split evenly between the row and column factors.
             s = math.sqrt(self._init_scale)
-            for factors, size in ((self.row_factors, n), (self.col_factors, p)):
+            for factors, size in (("row_factors", n), ("col_factors", p)):
                 params, constraint = self._kind.init_factor(size, s, loc, batch)
-                deep_setattr(factors, name, PyroParam(params, constraint, 1))
-            noise_map = self._kind.noise_map(n, p, loc)
+                self._set_param(factors, name, params, constraint, 1)
+            try:
+                noise_map = self._kind.noise_map(n, p, loc)
+            except ValueError as error:
+                raise ValueError(f"matrix site {name!r} of shape (n, p) = {(n, p)}: {error}") from error
             if noise_map is not None:
                 deep_setattr(self.flows, name, noise_map)
                 self._noise_mapped.add(name)
+
+    def _set_param(self, group: str, name: str, init: Tensor, constraint: constraints.Constraint, event_dim: int) -> None:
+        module = getattr(self, group)
+        deep_setattr(module, name, PyroParam(init, constraint, event_dim))
+        # A PyroParam takes the value of a parameter of the same name already in Pyro's param store
+        # (left by another guide of this model, or by another version of it): of another shape it
+        # would fail later with an obscure error, or be used silently.
+        shape = attrgetter(name)(module).shape
+        if shape != init.shape:
+            raise ValueError(
+                f"Pyro's param store already holds {group}.{name} of shape {tuple(shape)}, not the {tuple(init.shape)} that site "
+                f"{name!r} needs (left by another guide or another version of the model?): call pyro.clear_param_store() first"
+            )
 
     def _matrix_parts(self, name: str) -> tuple[Tensor, Tensor, Tensor, Transform | None]:
         """``M``, ``A``, ``B`` and ``G`` of a matrix site (inside its plates: subsampled)."""
@@ -261,37 +301,82 @@ class AutoKroneckerFlow(AutoGuide):
         transform is monotone). For ``"nonlinear"`` matrix sites the flow's marginals have no
         closed form: they are the sample quantiles of ``quantile_samples`` draws from a fixed seed
         (so repeated calls agree; standard error ``sqrt(q (1 - q) / S) / density``, and memory
-        ``S n p``), which leaves the global random state untouched.
+        ``S n p``), which leaves the global random state untouched. ``q = 0`` and ``q = 1`` are the
+        ends of the support for every kind (``-inf`` and ``inf`` before the support transform: the
+        flow is a bijection of the whole space), as in ``AutoNormal``.
+
+        Args:
+            quantiles: a probability or a 1-d sequence (or tensor) of probabilities in ``[0, 1]``.
+
+        Raises:
+            ValueError: ``quantiles`` not 0-d or 1-d, or not in ``[0, 1]`` (NaN included);
+                ``quantile_samples`` below 2 when a ``"nonlinear"`` matrix site needs it.
         """
+        probabilities = _as_probabilities(quantiles)
+        # Standard-normal quantiles by ndtri in float64: Normal.icdf's erfinv(2 q - 1) rounds
+        # 2 q - 1 to -1 below q ~ 1e-17 (float64) or ~ 6e-8 (float32) and returns -inf there.
+        z = torch.special.ndtri(probabilities)
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         out = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
-            loc = attrgetter(name)(self.locs)
-            q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device)
             shape = self._shapes[name]
             if name not in self.matrix_sites:
-                values = dist.Normal(loc, attrgetter(name)(self.scales)).icdf(q.reshape((-1,) + (1,) * loc.dim()))
+                values = _normal_quantiles(attrgetter(name)(self.locs), attrgetter(name)(self.scales), z)
             else:
                 loc, a, b, noise_map = self._matrix_parts(name)
                 if noise_map is None and self._kind.exact_marginals:
-                    values = dist.Normal(loc, self._kind.entry_scale(a, b)).icdf(q.reshape((-1,) + (1,) * loc.dim()))
+                    values = _normal_quantiles(loc, self._kind.entry_scale(a, b), z)
                 else:
-                    values = _sample_quantiles(self._kind.transform(loc, a, b, noise_map), loc, q, self.quantile_samples)
-            out[name] = biject_to(site["fn"].support)(values.reshape((-1,) + shape))
+                    samples = self.quantile_samples
+                    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 2:
+                        raise ValueError(f"quantile_samples must be an int >= 2, got {samples!r}")
+                    values = _sample_quantiles(self._kind.transform(loc, a, b, noise_map), loc, probabilities, int(samples))
+            out[name] = biject_to(site["fn"].support)(values.reshape((len(probabilities),) + shape))
         return out
+
+
+def _as_probabilities(quantiles) -> Tensor:
+    """``quantiles`` as a 1-d float64 CPU tensor, checked to lie in ``[0, 1]``: a handful of numbers,
+    parsed in float64 whatever the default dtype and device (so that ``1 + 1e-7`` is not rounded
+    into range by float32, and the normal quantiles are computed before rounding to a site's dtype)."""
+    try:
+        q = quantiles if isinstance(quantiles, Tensor) else torch.as_tensor(quantiles, dtype=torch.float64, device="cpu")
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"quantiles must be a probability or a 1-d sequence of probabilities, got {quantiles!r}") from error
+    if q.dim() > 1:
+        raise ValueError(f"quantiles must be a probability or a 1-d sequence of probabilities, got shape {tuple(q.shape)}")
+    q = q.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+    if not bool(((q >= 0) & (q <= 1)).all()):
+        raise ValueError(f"quantiles must lie in [0, 1], got {q.tolist()}")
+    return q
+
+
+def _normal_quantiles(loc: Tensor, scale: Tensor, z: Tensor) -> Tensor:
+    """``loc + scale z`` for every standard-normal quantile ``z`` (float64), ``(len(z), *loc.shape)``;
+    ``z = -inf, inf`` give ``-inf, inf`` whatever the scale (also one that underflowed to 0)."""
+    z = z.to(dtype=loc.dtype, device=loc.device).reshape((-1,) + (1,) * loc.dim())
+    values = loc + scale * z
+    return torch.where(torch.isinf(z), z.expand_as(values), values)
 
 
 def _sample_quantiles(transform: Transform, loc: Tensor, q: Tensor, num_samples: int) -> Tensor:
     """Sample quantiles (linear interpolation, as ``torch.quantile``) of ``transform(E)`` for
-    ``num_samples`` standard-normal ``E`` of ``loc``'s shape drawn from a fixed seed."""
+    ``num_samples`` standard-normal ``E`` of ``loc``'s shape drawn from a fixed seed, at the
+    float64 levels ``q``; ``q = 0`` and ``q = 1`` give ``-inf`` and ``inf``, the ends of the
+    support, not the extreme draws."""
     generator = torch.Generator(device=loc.device).manual_seed(0)
     noise = torch.randn((num_samples,) + loc.shape, generator=generator, device=loc.device, dtype=loc.dtype)
     draws = transform(noise).sort(0).values
-    position = q.clamp(0, 1) * (num_samples - 1)
+    # Positions in float64 (q's dtype), so that a level just below 1 is not rounded to 1.
+    position = q * (num_samples - 1)
     lower = position.floor().long().clamp(max=num_samples - 2)
-    frac = (position - lower).reshape((-1,) + (1,) * (draws.dim() - 1))
-    return draws[lower] + frac * (draws[lower + 1] - draws[lower])
+    shape = (-1,) + (1,) * (draws.dim() - 1)
+    frac = (position - lower).to(dtype=loc.dtype, device=loc.device).reshape(shape)
+    lower = lower.to(loc.device)
+    values = draws[lower] + frac * (draws[lower + 1] - draws[lower])
+    ends = q.to(loc.device).reshape(shape)
+    return values.masked_fill(ends == 0, -math.inf).masked_fill(ends == 1, math.inf)
 
 
 def _is_identity(transform: Transform) -> bool:

@@ -36,7 +36,7 @@ from torch.distributions import constraints
 from torch.distributions.transforms import Transform
 
 from pyro_smc.distributions import MatrixNormal
-from pyro_smc.guides.matrix_transforms import canonical_flow, kronecker_nonlinear
+from pyro_smc.guides.matrix_transforms import canonical_flow, canonical_hidden_dims, kronecker_nonlinear
 from pyro_smc.ops.gaussian import tril_from_vector, tril_to_vector
 from pyro_smc.ops.kronecker import kron_logdet
 
@@ -112,6 +112,9 @@ class KroneckerKind:
     name = ""
     exact_marginals = True
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def init_factor(self, size: int, scale: float, like: Tensor, batch: torch.Size) -> tuple[Tensor, constraints.Constraint]:
         """Free parameters of a ``(*batch, size, size)`` factor equal to ``scale * I``, and their constraint."""
         raise NotImplementedError
@@ -183,14 +186,21 @@ class NonlinearKind(LinearKind):
     Args:
         flow: ``"additive_coupling"`` (volume preserving, NICE; the paper's), ``"affine_coupling"``
             (RealNVP) or ``"iaf"``.
-        hidden_dims: hidden sizes of the flows' conditioner networks.
+        hidden_dims: hidden sizes of the flows' conditioner networks (a non-empty sequence of
+            positive ints; with ``"iaf"`` each at least the longer side of every matrix site).
+
+    Raises:
+        ValueError: an unknown ``flow`` or malformed ``hidden_dims``.
     """
 
     name = "nonlinear"
     exact_marginals = False
 
     def __init__(self, flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,)):
-        self.flow, self.hidden_dims = canonical_flow(flow), tuple(hidden_dims)
+        self.flow, self.hidden_dims = canonical_flow(flow), canonical_hidden_dims(hidden_dims)
+
+    def __repr__(self) -> str:
+        return f"NonlinearKind(flow={self.flow!r}, hidden_dims={self.hidden_dims})"
 
     def noise_map(self, n, p, like):
         with torch.device(like.device):  # built where the site lives, not on the default device
@@ -198,14 +208,45 @@ class NonlinearKind(LinearKind):
         return flow.to(like.dtype)
 
 
-def as_kind(kind: str | KroneckerKind, flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,)) -> KroneckerKind:
-    """A :class:`KroneckerKind` from a kind object or its name (``flow``/``hidden_dims`` for ``"nonlinear"``)."""
+#: The options of ``AutoKroneckerFlow`` that only the ``"nonlinear"`` kind uses, with its defaults.
+NONLINEAR_DEFAULTS = {"flow": "additive_coupling", "hidden_dims": (32,)}
+
+
+def as_kind(kind: str | KroneckerKind, flow: str | None = None, hidden_dims: tuple[int, ...] | None = None) -> KroneckerKind:
+    """A :class:`KroneckerKind` from a kind object or its name.
+
+    Args:
+        kind: ``"diag"``, ``"linear"``, ``"nonlinear"`` or a :class:`KroneckerKind` instance.
+        flow: ``"nonlinear"`` only (default ``"additive_coupling"``).
+        hidden_dims: ``"nonlinear"`` only (default ``(32,)``).
+
+    Raises:
+        ValueError: an unknown ``kind``; ``flow`` or ``hidden_dims`` given with a kind that does not
+            use them, or next to a kind object (which carries its own); malformed values.
+
+    Example:
+        >>> as_kind("nonlinear", flow="iaf")
+        NonlinearKind(flow='iaf', hidden_dims=(32,))
+        >>> as_kind("linear", flow="iaf")
+        Traceback (most recent call last):
+            ...
+        ValueError: flow='iaf' applies to kind='nonlinear' only; kind='linear' has no flow (leave flow unset)
+    """
+    options = {name: value for name, value in (("flow", flow), ("hidden_dims", hidden_dims)) if value is not None}
+    given = next(iter(options.items()), None)  # the first option given, if any
     if isinstance(kind, KroneckerKind):
+        if given is not None:
+            name, value = given
+            raise ValueError(f"{name}={value!r} cannot be combined with a kind object ({kind!r}): set it on the object, e.g. NonlinearKind({name}=...)")
         return kind
-    if kind == "diag":
-        return DiagKind()
-    if kind == "linear":
-        return LinearKind()
+    if isinstance(kind, type) and issubclass(kind, KroneckerKind):
+        raise ValueError(f"kind must be a KroneckerKind instance, got the class {kind.__name__}: pass kind={kind.__name__}()")
     if kind == "nonlinear":
-        return NonlinearKind(flow, hidden_dims)
+        return NonlinearKind(**{**NONLINEAR_DEFAULTS, **options})
+    if kind in ("diag", "linear"):
+        # An option the kind would ignore is an error: the user meant a flow they would not get.
+        if given is not None:
+            name, value = given
+            raise ValueError(f"{name}={value!r} applies to kind='nonlinear' only; kind={kind!r} has no flow (leave {name} unset)")
+        return DiagKind() if kind == "diag" else LinearKind()
     raise ValueError(f"kind must be one of {KINDS} or a KroneckerKind, got {kind!r}")

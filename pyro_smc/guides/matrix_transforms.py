@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 import warnings
 
 import pyro.distributions.transforms as T
@@ -36,7 +37,15 @@ from pyro.nn import DenseNN
 from torch import Tensor, nn
 from torch.distributions import constraints
 
-__all__ = ["FLOWS", "AdditiveCoupling", "ColumnwiseTransform", "RowwiseTransform", "canonical_flow", "kronecker_nonlinear"]
+__all__ = [
+    "FLOWS",
+    "AdditiveCoupling",
+    "ColumnwiseTransform",
+    "RowwiseTransform",
+    "canonical_flow",
+    "canonical_hidden_dims",
+    "kronecker_nonlinear",
+]
 
 FLOWS = ("additive_coupling", "affine_coupling", "iaf")
 
@@ -59,7 +68,11 @@ class AdditiveCoupling(TransformModule):
         super().__init__(cache_size=1)
         if input_dim < 2:
             raise ValueError(f"AdditiveCoupling needs input_dim >= 2, got {input_dim}")
+        hidden_dims = canonical_hidden_dims(hidden_dims)
         self.split_dim = input_dim // 2 if split_dim is None else split_dim
+        # Both halves must be non-empty: otherwise the map is a constant shift or the identity.
+        if not (_is_int(self.split_dim) and 1 <= self.split_dim < input_dim):
+            raise ValueError(f"AdditiveCoupling needs split_dim in [1, input_dim - 1] = [1, {input_dim - 1}], got {split_dim!r}")
         self.shift = DenseNN(self.split_dim, list(hidden_dims), param_dims=[input_dim - self.split_dim])
         # Start at the identity so the flow initially leaves the K-Linear posterior unchanged.
         nn.init.zeros_(self.shift.layers[-1].weight)
@@ -134,7 +147,40 @@ def canonical_flow(flow: str) -> str:
     return flow
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def canonical_hidden_dims(hidden_dims) -> tuple[int, ...]:
+    """Checks the hidden sizes of a flow's conditioner networks: a non-empty sequence of positive ints.
+
+    Args:
+        hidden_dims: e.g. ``(32,)`` or ``[64, 64]``.
+
+    Returns:
+        The sizes as a tuple of ``int``.
+
+    Raises:
+        ValueError: an empty sequence (the conditioners need a hidden layer), a bare number, or an
+            entry that is not a positive int.
+
+    Example:
+        >>> canonical_hidden_dims([16, 16])
+        (16, 16)
+    """
+    if isinstance(hidden_dims, (str, bytes)) or not hasattr(hidden_dims, "__iter__"):
+        raise ValueError(f"hidden_dims must be a non-empty sequence of positive ints such as (32,), got {hidden_dims!r}")
+    sizes = tuple(hidden_dims)
+    if not sizes or not all(_is_int(h) and h >= 1 for h in sizes):
+        raise ValueError(f"hidden_dims must be a non-empty sequence of positive ints such as (32,), got {hidden_dims!r}")
+    return tuple(int(h) for h in sizes)
+
+
 def _vector_flow(dim: int, flow: str, hidden_dims: tuple[int, ...]) -> T.Transform:
+    if flow == "iaf" and min(hidden_dims) < dim:
+        # Pyro's AutoRegressiveNN needs a hidden unit per input at least (its masks connect each
+        # output to the inputs before it); say so here, with the option's name.
+        raise ValueError(f"flow='iaf' needs every hidden_dims entry >= the length {dim} of the vectors it transforms, got hidden_dims={hidden_dims}")
     if flow == "additive_coupling":
         return AdditiveCoupling(dim, hidden_dims)
     if flow == "affine_coupling":
@@ -158,8 +204,13 @@ def kronecker_nonlinear(n: int, p: int, flow: str = "additive_coupling", hidden_
 
     Returns:
         A ``ComposeTransformModule`` with event dim 2 whose parameters are the flows'.
+
+    Raises:
+        ValueError: an unknown ``flow``, malformed ``hidden_dims`` (:func:`canonical_hidden_dims`), or
+            ``flow="iaf"`` with a hidden size below ``n`` or ``p`` (Pyro's autoregressive networks
+            need one hidden unit per input at least).
     """
-    flow = canonical_flow(flow)
+    flow, hidden_dims = canonical_flow(flow), canonical_hidden_dims(hidden_dims)
     parts = []
     if n >= 2:
         parts.append(ColumnwiseTransform(_vector_flow(n, flow, hidden_dims)))

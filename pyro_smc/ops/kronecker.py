@@ -13,7 +13,8 @@ A matrix normal ``W = M + A E B`` (``E`` i.i.d. standard normal) has
 ``Cov(vec W) = (L_col L_col^T) kron (L_row L_row^T) = V kron U``. The ``kron_tril_*`` helpers work
 in that parametrisation.
 
-All functions broadcast over leading batch dims. Pure torch: no Pyro import.
+All functions broadcast over leading batch dims and promote mixed float dtypes to a common one (as
+torch's elementwise ops do). Pure torch: no Pyro import.
 See ``docs/math/kronecker.md#vectorisation-convention`` and ``docs/math/kronecker.md#kronecker-identities``.
 
 Example:
@@ -31,6 +32,8 @@ import math
 
 import torch
 from torch import Tensor
+
+_TRIL_NAMES = ("scale_tril_row", "scale_tril_col")
 
 __all__ = [
     "kron",
@@ -56,10 +59,15 @@ def vec(x: Tensor) -> Tensor:
     Returns:
         ``(..., n * p)``: column 0 of ``x``, then column 1, and so on.
 
+    Raises:
+        ValueError: ``x`` has fewer than 2 dims.
+
     Example:
         >>> vec(torch.tensor([[1, 2], [3, 4]])).tolist()
         [1, 3, 2, 4]
     """
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        raise ValueError(f"vec: x must be a tensor of shape (..., n, p), got {_shape(x)}")
     return x.transpose(-1, -2).reshape(*x.shape[:-2], x.shape[-1] * x.shape[-2])
 
 
@@ -74,11 +82,16 @@ def unvec(v: Tensor, n: int, p: int) -> Tensor:
     Returns:
         ``(..., n, p)`` with ``vec(unvec(v, n, p)) == v``.
 
+    Raises:
+        ValueError: ``v``'s last dim is not ``n * p``.
+
     Example:
         >>> x = torch.arange(6.0).reshape(2, 3)
         >>> bool(torch.equal(unvec(vec(x), 2, 3), x))
         True
     """
+    if not isinstance(v, Tensor) or v.dim() < 1 or v.shape[-1] != n * p:
+        raise ValueError(f"unvec: v must have shape (..., n * p) = (..., {n * p}) for n = {n}, p = {p}, got {_shape(v)}")
     return v.reshape(*v.shape[:-1], p, n).transpose(-1, -2)
 
 
@@ -93,6 +106,9 @@ def kron(a: Tensor, b: Tensor) -> Tensor:
         ``(..., m k, n l)`` with block ``(i, j)`` equal to ``a[..., i, j] * b``; batch dims broadcast
         (unlike ``torch.kron``, which takes the product over every dim).
 
+    Raises:
+        ValueError: ``a`` or ``b`` has fewer than 2 dims, or their batch dims do not broadcast.
+
     Example:
         >>> a, b = torch.randn(2, 3), torch.randn(4, 2)
         >>> bool(torch.allclose(kron(a, b), torch.kron(a, b)))
@@ -100,6 +116,7 @@ def kron(a: Tensor, b: Tensor) -> Tensor:
         >>> kron(torch.randn(5, 2, 3), b).shape
         torch.Size([5, 8, 6])
     """
+    a, b = _check_batch("kron", (("a", a), ("b", b)), floating=False)
     m, n = a.shape[-2:]
     k, l_ = b.shape[-2:]
     out = a[..., :, None, :, None] * b[..., None, :, None, :]
@@ -126,16 +143,49 @@ def kron_matvec(a: Tensor, b: Tensor, x: Tensor) -> Tensor:
         >>> bool(torch.allclose(vec(kron_matvec(A, B, X)), kron(B.T, A) @ vec(X), atol=1e-5))
         True
     """
-    _check_kron("kron_matvec", a, b, x)
+    a, b, x = _check_kron("kron_matvec", a, b, x)
     return a @ x @ b
 
 
-def _check_kron(op: str, a: Tensor, b: Tensor, x: Tensor | None = None) -> None:
-    for name, m in (("a", a), ("b", b)):
-        if m.dim() < 2 or m.shape[-1] != m.shape[-2]:
+def _shape(x) -> object:
+    return tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+
+
+def _check_batch(op: str, named: tuple[tuple[str, Tensor], ...], floating: bool = True) -> tuple[Tensor, ...]:
+    """Every argument is a tensor of at least 2 dims (floating point unless ``floating=False``)
+    and their batch dims broadcast. Returns them promoted to one dtype, as torch's elementwise ops
+    would (``linalg.solve`` and ``matmul`` refuse mixed dtypes)."""
+    for name, m in named:
+        if not isinstance(m, Tensor) or m.dim() < 2:
+            raise ValueError(f"{op}: {name} must be a tensor of shape (..., k, l), got {_shape(m)}")
+        if floating and not m.is_floating_point():
+            raise ValueError(f"{op}: {name} must be floating point, got {m.dtype}")
+    try:
+        torch.broadcast_shapes(*(m.shape[:-2] for _, m in named))
+    except RuntimeError as error:
+        names, shapes = ", ".join(name for name, _ in named), ", ".join(str(tuple(m.shape[:-2])) for _, m in named)
+        raise ValueError(f"{op}: the batch dims of {names} do not broadcast: {shapes}") from error
+    dtype = named[0][1].dtype
+    for _, m in named[1:]:
+        dtype = torch.promote_types(dtype, m.dtype)
+    return tuple(m.to(dtype) for _, m in named)
+
+
+def _check_kron(op: str, a: Tensor, b: Tensor, x: Tensor | None = None, names: tuple[str, ...] = ("a", "b", "x")) -> tuple[Tensor, ...]:
+    named = tuple(zip(names, (a, b) if x is None else (a, b, x)))
+    promoted = _check_batch(op, named)
+    for name, m in named[:2]:
+        if m.shape[-1] != m.shape[-2]:
             raise ValueError(f"{op}: {name} must be square (..., k, k), got shape {tuple(m.shape)}")
-    if x is not None and (x.dim() < 2 or x.shape[-2] != a.shape[-1] or x.shape[-1] != b.shape[-1]):
-        raise ValueError(f"{op}: the matrix must have shape (..., {a.shape[-1]}, {b.shape[-1]}) to match a and b, got {tuple(x.shape)}")
+    if x is not None and (x.shape[-2] != a.shape[-1] or x.shape[-1] != b.shape[-1]):
+        raise ValueError(f"{op}: {names[2]} must have shape (..., {a.shape[-1]}, {b.shape[-1]}) to match {names[0]} and {names[1]}, got {tuple(x.shape)}")
+    return promoted
+
+
+def _check_nonsingular_triangle(op: str, name: str, m: Tensor) -> None:
+    # A triangular solve divides by the diagonal; a zero there would return inf/NaN silently.
+    if bool((m.detach().diagonal(dim1=-2, dim2=-1) == 0).any()):
+        raise ValueError(f"{op}: triangular {name} is singular (a zero on its diagonal)")
 
 
 def kron_solve(a: Tensor, b: Tensor, y: Tensor, *, tri_a: str | None = None, tri_b: str | None = None) -> Tensor:
@@ -153,8 +203,9 @@ def kron_solve(a: Tensor, b: Tensor, y: Tensor, *, tri_a: str | None = None, tri
         ``(..., n, p)``: ``X`` with ``A X B = Y``.
 
     Raises:
-        ValueError: on a bad ``tri_a``/``tri_b``, non-square or mismatched shapes, or a triangular
-            factor with a zero on its diagonal.
+        ValueError: on a bad ``tri_a``/``tri_b``, non-square, mismatched or non-broadcasting
+            shapes, a non-floating dtype, or a singular factor (a triangular one with a zero
+            on its diagonal, or a general one that LU finds exactly singular).
 
     Example:
         >>> A = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
@@ -164,21 +215,27 @@ def kron_solve(a: Tensor, b: Tensor, y: Tensor, *, tri_a: str | None = None, tri
         >>> bool(torch.allclose(A @ X @ B, Y, atol=1e-5))
         True
     """
+    return _kron_solve("kron_solve", a, b, y, tri_a, tri_b, ("a", "b", "y"))
+
+
+def _kron_solve(op: str, a: Tensor, b: Tensor, y: Tensor, tri_a: str | None, tri_b: str | None, names: tuple[str, str, str]) -> Tensor:
     for name, tri in (("tri_a", tri_a), ("tri_b", tri_b)):
         if tri not in (None, "lower", "upper"):
             raise ValueError(f"{name} must be None, 'lower' or 'upper', got {tri!r}")
-    _check_kron("kron_solve", a, b, y)
-    for name, m, tri in (("a", a, tri_a), ("b", b, tri_b)):
-        # A triangular solve divides by the diagonal; a zero there would return inf/NaN silently.
-        if tri is not None and bool((m.detach().diagonal(dim1=-2, dim2=-1) == 0).any()):
-            raise ValueError(f"kron_solve: triangular {name} is singular (a zero on its diagonal)")
-    if tri_a is None:
-        z = torch.linalg.solve(a, y)
-    else:
-        z = torch.linalg.solve_triangular(a, y, upper=tri_a == "upper")
-    if tri_b is None:
-        return torch.linalg.solve(b, z, left=False)
-    return torch.linalg.solve_triangular(b, z, upper=tri_b == "upper", left=False)
+    a, b, y = _check_kron(op, a, b, y, names)
+    for name, m, tri in ((names[0], a, tri_a), (names[1], b, tri_b)):
+        if tri is not None:
+            _check_nonsingular_triangle(op, name, m)
+    try:
+        z = torch.linalg.solve(a, y) if tri_a is None else torch.linalg.solve_triangular(a, y, upper=tri_a == "upper")
+    except torch.linalg.LinAlgError as error:
+        raise ValueError(f"{op}: {names[0]} is singular") from error
+    try:
+        if tri_b is None:
+            return torch.linalg.solve(b, z, left=False)
+        return torch.linalg.solve_triangular(b, z, upper=tri_b == "upper", left=False)
+    except torch.linalg.LinAlgError as error:
+        raise ValueError(f"{op}: {names[1]} is singular") from error
 
 
 def kron_logdet(a: Tensor, b: Tensor, *, triangular: bool = False) -> Tensor:
@@ -193,7 +250,8 @@ def kron_logdet(a: Tensor, b: Tensor, *, triangular: bool = False) -> Tensor:
         ``(...)``: the log absolute determinant.
 
     Raises:
-        ValueError: if ``a`` or ``b`` is not square.
+        ValueError: if ``a`` or ``b`` is not square or not floating point, or their batch dims do
+            not broadcast.
 
     Example:
         >>> A = torch.tensor([[2.0, 1.0], [0.0, 3.0]])
@@ -202,7 +260,11 @@ def kron_logdet(a: Tensor, b: Tensor, *, triangular: bool = False) -> Tensor:
         >>> bool(torch.isclose(kron_logdet(A, B), dense))
         True
     """
-    _check_kron("kron_logdet", a, b)
+    a, b = _check_kron("kron_logdet", a, b)
+    return _kron_logdet(a, b, triangular)
+
+
+def _kron_logdet(a: Tensor, b: Tensor, triangular: bool) -> Tensor:
     n, p = a.shape[-1], b.shape[-1]
     if triangular:
         la = a.diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
@@ -230,7 +292,8 @@ def kron_tril_logdet(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
         >>> bool(torch.isclose(kron_tril_logdet(L_row, L_col), 0.5 * torch.logdet(cov), atol=1e-5))
         True
     """
-    return kron_logdet(scale_tril_row, scale_tril_col, triangular=True)
+    scale_tril_row, scale_tril_col = _check_kron("kron_tril_logdet", scale_tril_row, scale_tril_col, names=_TRIL_NAMES)
+    return _kron_logdet(scale_tril_row, scale_tril_col, True)
 
 
 def kron_tril_mahalanobis(scale_tril_row: Tensor, scale_tril_col: Tensor, x: Tensor) -> Tensor:
@@ -253,7 +316,8 @@ def kron_tril_mahalanobis(scale_tril_row: Tensor, scale_tril_col: Tensor, x: Ten
         >>> bool(torch.isclose(kron_tril_mahalanobis(L_row, L_col, X), dense, rtol=1e-4))
         True
     """
-    z = kron_solve(scale_tril_row, scale_tril_col.transpose(-1, -2), x, tri_a="lower", tri_b="upper")
+    names = (*_TRIL_NAMES, "x")
+    z = _kron_solve("kron_tril_mahalanobis", scale_tril_row, scale_tril_col.transpose(-1, -2), x, "lower", "upper", names)
     return z.pow(2).sum((-1, -2))
 
 
@@ -271,6 +335,9 @@ def kron_tril_trace(scale_tril_row_p: Tensor, scale_tril_col_p: Tensor, scale_tr
     Returns:
         ``(...)``: the trace.
 
+    Raises:
+        ValueError: non-square or mismatched factors, or a ``p`` factor with a zero on its diagonal.
+
     Example:
         >>> Lr_p, Lc_p = torch.tensor([[2.0, 0.0], [0.3, 1.0]]), torch.tensor([[1.5]])
         >>> Lr_q, Lc_q = torch.tensor([[1.0, 0.0], [0.5, 0.7]]), torch.tensor([[0.5]])
@@ -280,6 +347,17 @@ def kron_tril_trace(scale_tril_row_p: Tensor, scale_tril_col_p: Tensor, scale_tr
         >>> bool(torch.isclose(kron_tril_trace(Lr_p, Lc_p, Lr_q, Lc_q), dense, rtol=1e-4))
         True
     """
+    op = "kron_tril_trace"
+    named = (("scale_tril_row_p", scale_tril_row_p), ("scale_tril_col_p", scale_tril_col_p))
+    named += (("scale_tril_row_q", scale_tril_row_q), ("scale_tril_col_q", scale_tril_col_q))
+    scale_tril_row_p, scale_tril_col_p, scale_tril_row_q, scale_tril_col_q = _check_batch(op, named)
+    for name, m in named:
+        if m.shape[-1] != m.shape[-2]:
+            raise ValueError(f"{op}: {name} must be square (..., k, k), got shape {tuple(m.shape)}")
+    for (name_p, p_), (name_q, q_) in ((named[0], named[2]), (named[1], named[3])):
+        if q_.shape[-1] != p_.shape[-1]:
+            raise ValueError(f"{op}: {name_q} must have the size {p_.shape[-1]} of {name_p}, got shape {tuple(q_.shape)}")
+        _check_nonsingular_triangle(op, name_p, p_)
     tr_u = torch.linalg.solve_triangular(scale_tril_row_p, scale_tril_row_q, upper=False).pow(2).sum((-1, -2))
     tr_v = torch.linalg.solve_triangular(scale_tril_col_p, scale_tril_col_q, upper=False).pow(2).sum((-1, -2))
     return tr_u * tr_v
@@ -303,6 +381,7 @@ def kron_tril_variance(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor
         >>> var.shape, bool(torch.allclose(vec(var), cov.diagonal()))
         (torch.Size([2, 3]), True)
     """
+    scale_tril_row, scale_tril_col = _check_kron("kron_tril_variance", scale_tril_row, scale_tril_col, names=_TRIL_NAMES)
     u = scale_tril_row.pow(2).sum(-1)
     v = scale_tril_col.pow(2).sum(-1)
     return u.unsqueeze(-1) * v.unsqueeze(-2)
@@ -328,5 +407,6 @@ def kron_tril_entropy(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
         >>> bool(torch.isclose(kron_tril_entropy(L_row, L_col), dense, atol=1e-5))
         True
     """
+    scale_tril_row, scale_tril_col = _check_kron("kron_tril_entropy", scale_tril_row, scale_tril_col, names=_TRIL_NAMES)
     n, p = scale_tril_row.shape[-1], scale_tril_col.shape[-1]
-    return 0.5 * n * p * (1.0 + math.log(2 * math.pi)) + kron_tril_logdet(scale_tril_row, scale_tril_col)
+    return 0.5 * n * p * (1.0 + math.log(2 * math.pi)) + _kron_logdet(scale_tril_row, scale_tril_col, True)

@@ -15,6 +15,11 @@ KINDS = ["diag", "linear", "nonlinear"]
 SIGMA = 0.3
 
 
+def _flow_options(kind, hidden_dims):
+    """``hidden_dims`` for the kind that has flows (the others reject it)."""
+    return {"hidden_dims": hidden_dims} if kind == "nonlinear" else {}
+
+
 def regression(x, y=None):
     w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[-1], 2]).to_event(2))
     s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
@@ -48,7 +53,7 @@ def _data(seed=0, n=30, d=3):
 @pytest.mark.parametrize("kind", KINDS)
 def test_svi_runs_and_model_guide_match(kind):
     x, y = _data()
-    guide = AutoKroneckerFlow(regression, kind=kind, hidden_dims=(8,))
+    guide = AutoKroneckerFlow(regression, kind=kind, **_flow_options(kind, (8,)))
     pyro.enable_validation(True)
     losses = []
     with warnings.catch_warnings():
@@ -78,7 +83,7 @@ def test_kronecker_flow_svi_in_both_dtypes(dtype, kind):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(20, 3, generator=g, dtype=dtype)
     y = x @ torch.randn(3, 2, generator=g, dtype=dtype) + 0.3 * torch.randn(20, 2, generator=g, dtype=dtype)
-    guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(8,))
+    guide = AutoKroneckerFlow(model, kind=kind, **_flow_options(kind, (8,)))
     elbos = [Trace_ELBO()] + ([TraceMeanField_ELBO()] if kind != "nonlinear" else [])
     losses = []
     for elbo in elbos:
@@ -96,7 +101,7 @@ def test_kronecker_flow_svi_in_both_dtypes(dtype, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_parameter_count_matches_formula(kind):
     n, p = 4, 2 * 3 * 3
-    guide = AutoKroneckerFlow(conv_model, kind=kind, hidden_dims=(8,))
+    guide = AutoKroneckerFlow(conv_model, kind=kind, **_flow_options(kind, (8,)))
     guide(torch.zeros(1))
     matrix = {"diag": n * p + n + p, "linear": n * p + n * (n + 1) // 2 + p * (p + 1) // 2}
     matrix["nonlinear"] = matrix["linear"] + sum(q.numel() for q in guide.flows.parameters())
@@ -201,7 +206,7 @@ def test_matrix_sites_are_decided_on_the_unconstrained_value(kind):
         with pyro.plate("groups", 4):
             pyro.sample("v", dist.Normal(0.0, 1.0).expand([4, 2, 3]).to_event(2))
 
-    guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(4,))
+    guide = AutoKroneckerFlow(model, kind=kind, **_flow_options(kind, (4,)))
     sample = guide()
     assert guide.matrix_sites == {"w": (3, 2), "v": (2, 3)}
     assert sample["corr"].shape == (2, 2) and sample["w"].shape == (3, 2) and sample["v"].shape == (4, 2, 3)
@@ -219,7 +224,7 @@ def test_matrix_sites_are_decided_on_the_unconstrained_value(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_median_returns_detached_copies(kind):
     x, y = _data()
-    guide = AutoKroneckerFlow(regression, kind=kind, hidden_dims=(8,))
+    guide = AutoKroneckerFlow(regression, kind=kind, **_flow_options(kind, (8,)))
     guide(x, y)
     median = guide.median(x, y)
     assert not any(v.requires_grad for v in median.values())
@@ -241,7 +246,7 @@ def test_subsampled_local_latents_have_full_size_parameters(kind):
             pyro.sample("y_m", dist.Normal(m, 0.1).to_event(2), obs=data[idx, None, None].expand(-1, 2, 2))
 
     pyro.set_rng_seed(0)
-    guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(4,))
+    guide = AutoKroneckerFlow(model, kind=kind, **_flow_options(kind, (4,)))
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.05}), Trace_ELBO())
     for _ in range(600):
         svi.step()
@@ -310,7 +315,7 @@ def test_pyro_module_bnn_with_minibatches(kind):
     x = torch.randn(40, 3, generator=g)
     y = (x[:, 0] > 0).long()
     model = BNN()
-    guide = AutoKroneckerFlow(model, kind=kind, hidden_dims=(8,))
+    guide = AutoKroneckerFlow(model, kind=kind, **_flow_options(kind, (8,)))
     svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.02}), Trace_ELBO())
     losses = [svi.step(x, y, batch_size=10) for _ in range(5)]
     assert all(math.isfinite(v) for v in losses)

@@ -192,3 +192,56 @@ def test_kron_solve_rejects_a_singular_triangular_factor(n, p, seed):
     y = torch.randn(n, p, generator=g, dtype=F64)
     with pytest.raises(ValueError):
         kron_solve(a, torch.eye(p, dtype=F64), y, tri_a="lower")
+
+
+# Found by the property suite (issue 26); each failed before its fix.
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda: vec(torch.zeros(3)), "vec: x"),  # IndexError
+        (lambda: unvec(torch.zeros(5), 2, 3), "unvec: v"),  # RuntimeError from reshape
+        (lambda: unvec(torch.tensor(1.0), 1, 1), "unvec: v"),  # 0-d: IndexError
+        (lambda: kron(torch.zeros(3), torch.eye(2)), "kron: a must"),  # "not enough values to unpack"
+        (lambda: kron(torch.zeros(2, 2, 2), torch.zeros(3, 2, 2)), "broadcast"),  # RuntimeError
+        (lambda: kron_tril_variance(torch.zeros(2, 3), torch.eye(2)), "scale_tril_row"),  # returned zeros
+        (lambda: kron_tril_variance(torch.eye(2), torch.ones(3)), "scale_tril_col"),  # returned garbage
+        (lambda: kron_tril_trace(torch.zeros(2, 3), torch.eye(2), torch.eye(2), torch.eye(2)), "scale_tril_row_p"),
+        (lambda: kron_tril_trace(torch.eye(3), torch.eye(2), torch.eye(2), torch.eye(2)), "scale_tril_row_q"),
+        (lambda: kron_tril_trace(torch.eye(2), torch.eye(2), torch.eye(2), torch.eye(3)), "scale_tril_col_q"),
+        (lambda: kron_tril_trace(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), torch.eye(2), torch.eye(2), torch.eye(2)), "singular"),  # NaN
+        (lambda: kron_tril_entropy(torch.eye(2), torch.zeros(2, 3)), "scale_tril_col"),  # named it "b"
+        (lambda: kron_solve(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), torch.eye(2), torch.ones(2, 2)), "singular"),  # LinAlgError
+        (lambda: kron_logdet(torch.eye(2, dtype=torch.long), torch.eye(2, dtype=torch.long)), "floating"),
+        (lambda: kron_solve(torch.eye(2).expand(3, 2, 2), torch.eye(2).expand(4, 2, 2), torch.ones(2, 2)), "broadcast"),
+        (lambda: kron_logdet(torch.eye(2).expand(3, 2, 2), torch.eye(2).expand(4, 2, 2)), "broadcast"),
+        (lambda: kron_matvec(torch.eye(2).expand(2, 1, 2, 2), torch.eye(2), torch.ones(3, 2, 2)), None),
+    ],
+)
+def test_kronecker_ops_reject_malformed_input_naming_it(call, name):
+    if name is None:  # batch dims that broadcast are fine
+        assert call().shape == (2, 3, 2, 2)
+        return
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+@pytest.mark.parametrize("op", ["matvec", "solve", "solve_tri", "logdet", "mahalanobis", "trace", "variance"])
+def test_mixed_float_dtypes_are_promoted(op):
+    # Before: kron_solve raised "linalg.solve: Expected A and B to have the same dtype" and
+    # kron_matvec "expected m1 and m2 to have the same dtype", while the triangular ops promoted.
+    g = gen(3)
+    a, b, x = random_tril((), 3, g, F64), random_tril((), 2, g, F64), torch.randn(3, 2, generator=g, dtype=F64)
+    calls = {
+        "matvec": lambda a, b, x: kron_matvec(a, b, x),
+        "solve": lambda a, b, x: kron_solve(a, b, x),
+        "solve_tri": lambda a, b, x: kron_solve(a, b, x, tri_a="lower", tri_b="lower"),
+        "logdet": lambda a, b, x: kron_logdet(a, b),
+        "mahalanobis": lambda a, b, x: kron_tril_mahalanobis(a, b, x),
+        "trace": lambda a, b, x: kron_tril_trace(a, b, a.double(), b.double()),
+        "variance": lambda a, b, x: kron_tril_variance(a, b),
+    }
+    exact = calls[op](a, b, x)
+    for mixed in ((a.float(), b, x), (a, b.float(), x), (a, b, x.float())):
+        got = calls[op](*mixed)
+        assert got.dtype == F64
+        torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
