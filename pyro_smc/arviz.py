@@ -10,7 +10,7 @@
 * With ``smoothing="ffbs" | "rejection" | "genealogy"``, an :class:`~pyro_smc.SMC` run built with
   ``store_history=True`` exports smoothed trajectories instead (``SMC.smooth``): one chain per
   filter, ``num_draws`` trajectories per chain as draws, dims ``(chain, draw, time, *event)`` for
-  every floating-point state key; ``sample_stats`` holds the filter's ``log_evidence`` (constant
+  every state key (labels included); ``sample_stats`` holds the filter's ``log_evidence`` (constant
   along the draw dimension) and ``attrs`` the per-filter log-evidence and the smoothing method.
 * An :class:`~pyro_smc.OnlineVariationalFilter` becomes one chain of lagged smoothing draws
   ``x`` with dims ``(chain, draw, lag, state_dim)``; ``attrs`` holds the running ELBO.

@@ -386,7 +386,11 @@ class OTResampler(Resampler):
     multinomial resampling (Jensen), less where the plan is sharp, but typically more than
     systematic resampling's. Particles of zero weight are never drawn. This part is random
     and not differentiable, and a new particle pairs ``x~_i`` with the label of one of the
-    particles averaged into it, not of a particle at ``x~_i``.
+    particles averaged into it, not of a particle at ``x~_i``. :class:`~pyro_smc.SMC` passes a
+    float-coded label (the value of a site with discrete support, such as ``dist.Bernoulli``'s
+    0./1.) as an integer tensor, so it is never averaged either. A state with no floating tensor
+    has nothing to transport: the plan of zero cost is the independent coupling, and the call is
+    multinomial resampling.
 
     Args:
         epsilon: regularisation on the normalised cost scale, ``> 0``; smaller is closer to
@@ -417,7 +421,7 @@ class OTResampler(Resampler):
 
     Raises:
         ValueError: an argument out of range or an unknown ``gradient`` mode; at call time,
-            mismatched particle shapes or no floating-point state tensor.
+            mismatched particle shapes.
 
     Example:
         The transported particles are equally weighted and keep the weighted mean:
@@ -463,12 +467,15 @@ class OTResampler(Resampler):
         _check_particles(particles, log_weights)
         batch = log_weights.shape
         floats = {k: v for k, v in particles.items() if v.is_floating_point()}
+        self._last_result = None
         if not floats:
-            raise ValueError("OTResampler needs at least one floating-point state tensor")
+            # Nothing to transport: with zero cost the entropic plan is the independent coupling
+            # P = (1/N) w^T, whose rows draw ancestors by the weights (multinomial resampling).
+            index = _resample.multinomial(log_weights)
+            return _gather(particles, index), torch.full_like(log_weights, -math.log(batch[-1]))
         flat = [v.reshape(batch + (-1,)) for v in floats.values()]
         x = torch.cat(flat, -1) if len(flat) > 1 else flat[0]
         x = x.to(log_weights.dtype) if x.dtype != log_weights.dtype else x
-        self._last_result = None
         with record_results() as results:
             x_new, plan = ensemble_transform(x, log_weights, self.epsilon, self.scaling, self.threshold, self.max_iter, self.gradient)
         self._last_result = results[-1]

@@ -9,6 +9,7 @@ pinned by regression properties run under ``BUG``, in the test file of each modu
 """
 
 import math
+import os
 
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -72,3 +73,40 @@ def dense_kron(b, a):
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     aa, bb = a.double().expand(batch + (n, n)).reshape(-1, n, n), b.double().expand(batch + (p, p)).reshape(-1, p, p)
     return torch.stack([torch.kron(y.T.contiguous(), x.contiguous()) for x, y in zip(aa, bb)]).reshape(batch + (n * p, n * p))
+
+
+# --- Engine properties ----------------------------------------------------------------------------
+# The property suites of the engines (tests/**/test_*_properties.py) draw whole models and inputs
+# and hold every public entry point to one invariant: a clear error naming the argument or time
+# step, or a finite answer that agrees with the oracle where there is one. The default run tries a
+# few examples per property; a long run sets PYRO_SMC_PROPERTY_EXAMPLES, e.g.
+#   PYRO_SMC_PROPERTY_EXAMPLES=500 python -m pytest tests -k properties --hypothesis-show-statistics
+# Runs are derandomised (the same examples every time); PYRO_SMC_PROPERTY_RANDOM=1 draws new ones,
+# seeded by pytest's --hypothesis-seed=N, to try the properties on other examples.
+ENGINE_EXAMPLES = int(os.environ.get("PYRO_SMC_PROPERTY_EXAMPLES", "8"))
+ENGINE = settings(PROPERTY, max_examples=ENGINE_EXAMPLES, derandomize=not os.environ.get("PYRO_SMC_PROPERTY_RANDOM"))
+
+#: The exception types a public entry point may raise for bad input.
+CLEAR_ERRORS = (ValueError, TypeError)
+
+
+def assert_clear_error(error: BaseException, *names: str) -> None:
+    """``error`` is a ``ValueError``/``TypeError`` whose message names one of ``names`` (an argument,
+    ``"time step"``, a site): the invariant's error half. Raises the original error otherwise, so a
+    property that meets an obscure error reports it with its traceback."""
+    message = str(error)
+    if not isinstance(error, CLEAR_ERRORS) or not any(name in message for name in names):
+        raise AssertionError(f"not a clear error (expected a ValueError naming one of {names}): {type(error).__name__}: {message}") from error
+
+
+def assert_finite(value, what: str) -> None:
+    """Every tensor in ``value`` (a tensor, or a dict/tuple/list of them, nested) is finite."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise AssertionError(f"{what} is not finite: {value}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            assert_finite(item, f"{what}[{key!r}]")
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            assert_finite(item, f"{what}[{i}]")

@@ -310,13 +310,13 @@ class _MixedState:
 
 
 @pytest.mark.parametrize("method", ["ffbs", "rejection", "genealogy"])
-def test_smooth_returns_every_floating_point_state_key(method):
+def test_smooth_returns_every_state_key(method):
     """docs/engines/smc.md, trajectories: "``smc.smooth(num_samples, method)`` then returns, for every
-    floating-point state key, smoothed trajectories of shape ``(num_samples, T, num_filters,
-    *event)``". A state with two float keys and an integer one gives the two float keys."""
+    state key, smoothed trajectories of shape ``(num_samples, T, num_filters, *event)``". A state
+    with two float keys and an integer one gives all three, the integer one in its dtype."""
     ys = torch.randn(6, 2, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         smc = SMC(_MixedState(), num_particles=20, num_filters=3, store_history=True).run(ys)
         paths = smc.smooth(7, method=method)
-    assert {k: tuple(v.shape) for k, v in paths.items()} == {"x": (7, 6, 3, 2), "v": (7, 6, 3)}
-    assert all(v.is_floating_point() for v in paths.values())
+    assert {k: tuple(v.shape) for k, v in paths.items()} == {"x": (7, 6, 3, 2), "v": (7, 6, 3), "z": (7, 6, 3)}
+    assert paths["x"].is_floating_point() and paths["v"].is_floating_point() and paths["z"].dtype == torch.long

@@ -18,7 +18,7 @@ from pyro_smc.infer.gaussian_smoothers import (
 )
 from pyro_smc.infer.online import OnlineVariationalFilter
 from pyro_smc.infer.projections import Linearization, MomentMatching, Projection, Unscented
-from pyro_smc.infer.smc import SMC, SMCFailedError
+from pyro_smc.infer.smc import SMC, ParticleDegeneracyWarning, SMCFailedError
 from pyro_smc.infer.smc_elbo import SMCELBO
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Linearization",
     "MomentMatching",
     "OnlineVariationalFilter",
+    "ParticleDegeneracyWarning",
     "Projection",
     "Unscented",
     "SMCFailedError",

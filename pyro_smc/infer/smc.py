@@ -106,11 +106,19 @@ from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.checkpoint import plain_attributes
 from pyro_smc.infer.smc_checks import (
     NonReparameterizedGradientWarning,
+    ParticleDegeneracyWarning,
     check_finite_args,
     check_marginal_supported,
+    check_observation_dtype,
+    check_observed_shapes,
     check_positive_int,
+    check_resampler,
+    discrete_state_keys,
     is_missing,
+    latent_kept_outside_state,
+    warn_degenerate_weights,
     warn_non_reparameterized,
+    warn_untrainable_proposal,
 )
 from pyro_smc.infer import smc_smoothing as smoothing
 from pyro_smc.infer.smc_checkpoint import SMCCheckpointMixin
@@ -129,9 +137,9 @@ from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import all_finite
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
-from pyro_smc.tracing import detach_latent_draws, module_context, replay_where
+from pyro_smc.tracing import detach_latent_draws, is_latent, is_scored, module_context, replay_where
 
-__all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning"]
+__all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning", "ParticleDegeneracyWarning"]
 
 
 class SMCState(dict):
@@ -186,8 +194,9 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         log_weights: normalised log-weights, shape ``(B, N)``.
         log_evidence: ``log Z_hat``, shape ``(B,)``, differentiable.
         ess: effective sample size after the last weighting, in ``[1, N]``, shape ``(B,)``.
-        filtering_means: dict of ``(T, B, *event)`` weighted means per floating state key,
-            one row per ``step`` (taken before resampling).
+        filtering_means: dict of ``(T, B, *event)`` weighted means per state key, one row per
+            ``step`` (taken before resampling), in the weights' dtype; for a 0/1 label the
+            filtering probability of 1 (see ``docs/engines/smc.md#discrete-latent-state``).
         ess_history: ``(T, B)``; resampled: ``(T, B)`` bool.
         log_evidence_increments: ``(T, B)`` per-step terms of ``log_evidence``.
         result: all of the above as a typed :class:`~pyro_smc.ops.results.SMCResult`, plus
@@ -196,7 +205,16 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
     Raises:
         TypeError: ``num_particles`` is not given.
         ValueError: a count, ``max_plate_nesting`` or ``ess_threshold`` is out of range, the
-            model or guide lacks ``init``/``step``, or the resampler is not callable.
+            model or guide lacks ``init``/``step``, or the resampler is a class or not callable.
+            While running (naming the time step): the model keeps a latent site's value on
+            ``self`` instead of in ``state``, an observation's dtype is not its site's, the
+            model samples nothing, or a state tensor's filtering mean is not finite.
+
+    Warns:
+        ParticleDegeneracyWarning: in :meth:`run`, when the weights collapsed onto about one
+            particle at a fifth of the steps or more.
+        UserWarning: a guide with parameters under ``gradient="stop_gradient"``, which gives
+            them exactly zero gradient.
 
     Example:
         The log-evidence estimate lies near the exact Kalman value ``log p(y_{1:T})``:
@@ -239,8 +257,8 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         for name, obj in (("model", model), ("guide", guide)):
             if obj is not None and not (callable(getattr(obj, "init", None)) and callable(getattr(obj, "step", None))):
                 raise ValueError(f"{name} must have init(state, ...) and step(state, ...) methods")
-        if resampler is not None and not callable(resampler):
-            raise ValueError(f"resampler must be callable (particles, log_weights), got {resampler!r}")
+        if resampler is not None:
+            check_resampler(resampler)
         self.model = model
         self.guide = guide
         self.resampler = resampler if resampler is not None else SystematicResampler()
@@ -276,6 +294,11 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         # log p_hat of the scoring since the last recorded step (an init's term joins step 0).
         self._unrecorded_increment: Tensor | None = None
         self._warned_sites: set[str] = set()
+        # State keys holding a discrete-support site's value (float-coded labels): resampled by
+        # copying an ancestor, never averaged. Kept for the run: a label drawn once stays one.
+        self._discrete_keys: set[str] = set()
+        self._dtype_checked = False
+        self._warned_proposal = False
         # Per step, what smooth() needs (store_history); the record of the step being taken.
         self._history: list[dict] = []
         self._pending_record: dict | None = None
@@ -298,13 +321,15 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         """Advances every filter by one time step: propose, reweight, maybe resample.
 
         A step whose observation (the first positional argument) is ``None`` or all-NaN is
-        predict-only: the particles move by the model's own transition (the guide is not
-        called, since it may need the observation) and no observed site is scored, so the
-        weights and ``log_evidence`` do not change. A partly-NaN observation is scored on its
-        observed entries only: the model gets it with the missing entries set to zero, the site
-        that observes it must factorise over its entries (``Normal(...).to_event(1)``; a
-        ``MultivariateNormal`` is an error), and the guide is not called (the model's transition
-        proposes, as in a predict-only step). An infinite observation, or a NaN in another
+        predict-only: the particles move by the model's own transition and no observed site is
+        scored, so the weights and ``log_evidence`` do not change. A partly-NaN observation is
+        scored on its observed entries only: the model gets it with the missing entries set to
+        zero, the site that observes it must factorise over its entries
+        (``Normal(...).to_event(1)``; a ``MultivariateNormal`` is an error), and the model's
+        transition proposes, as in a predict-only step. At both kinds of step the guide, which
+        may need the missing entries, does not propose: it is still called (with the missing
+        entries set to zero) so that a step counter or hidden state it keeps stays in step with
+        the model's, and its draws are discarded. An infinite observation, or a NaN in another
         argument, is an error. See ``docs/math/smc.md#missing-observations``.
         """
         missing = is_missing(args)
@@ -320,7 +345,14 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         partial = None if observed is None else (args[0], observed, where)
         proposes = not predict_only and partial is None
         guide_step = self.guide.step if self.guide is not None and proposes else None
+        if self.guide is not None and not proposes:
+            self._advance_guide(args, kwargs)
         self._propagate(self.model.step, guide_step, args, kwargs, where, predict_only, partial, active)
+        if self.log_weights is None:
+            raise ValueError(
+                f"at {where}: model.init and model.step sampled no site and wrote no state, so there is nothing to filter; "
+                "a step must sample its latent site into state (state['x'] = pyro.sample(...)) and observe y"
+            )
         self._t += 1
         return self
 
@@ -368,8 +400,9 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
 
         Raises:
             ValueError: ``observations`` is not a tensor of the shape above (``batched=True`` with
-                ``observations.shape[0] != num_filters``), ``lengths`` is not an integer tensor
-                ``(B,)`` with entries in ``[1, T]``, or ``lengths`` is given without ``batched``.
+                ``observations.shape[0] != num_filters``), has no time steps or is in half
+                precision, ``lengths`` is not an integer tensor ``(B,)`` with entries in
+                ``[1, T]``, or ``lengths`` is given without ``batched``.
 
         Example:
             >>> import torch
@@ -390,6 +423,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             for step in tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False):
                 # Observations were checked above, all at once.
                 self._step((step.y,) + args, kwargs, step.predict_only, step.observed, step.active)
+        warn_degenerate_weights(self.ess_history, self.num_particles)
         return self
 
     # --- results ------------------------------------------------------------------------------
@@ -472,7 +506,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             max_rounds: rejection rounds before the exact fallback (``"rejection"`` only).
 
         Returns:
-            ``{key: (num_samples, T, B, *event)}`` for every floating-point state key, ``T`` the
+            ``{key: (num_samples, T, B, *event)}`` for every state key (labels in their dtype), ``T`` the
             number of steps taken, detached.
 
         Raises:
@@ -520,7 +554,8 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             check_marginal_supported(self.guide, self.max_plate_nesting)
         if marginal:
             before = (dict(self.state), plain_attributes(self.model))
-        parent = (self._batched_state(), self.log_weights) if self.store_history and self.log_weights is not None else None
+        # The unbatched state: step_record adds the filter dim itself.
+        parent = (dict(self.state), self.log_weights) if self.store_history and self.log_weights is not None else None
         with self._step_context() as stack:
             if score_function:
                 # Inside the plates, outside the traces: the traces record the detached draws.
@@ -550,6 +585,10 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
                 ) from error
         if torch.is_grad_enabled() and not score_function:
             warn_non_reparameterized(model_trace, guide_trace, where, self._warned_sites)
+        elif guide_trace is not None and torch.is_grad_enabled() and not self._warned_proposal:
+            # Checked at the first step the guide samples anything (its init usually does not).
+            self._warned_proposal = warn_untrainable_proposal(guide_trace, self.resampler.gradient)
+        self._check_sites(model_trace, guide_trace, args, where, predict_only)
         terms = log_weight_terms(model_trace, guide_trace, self._layout, predict_only, partial, active)
         if self.store_history and where != "init":
             self._pending_record = smoothing.step_record(model_trace, self.state, parent, self._layout)
@@ -588,11 +627,47 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         self._unrecorded_increment = increment if pending is None else pending + increment
         self._record(where)
 
+    def _advance_guide(self, args: tuple, kwargs: dict) -> None:
+        """Calls the guide at a step where it cannot propose (a missing or partly missing
+        observation), its draws discarded, so that its own bookkeeping (a step counter, a hidden
+        state) stays in step with the model's. It gets the observation with missing entries set
+        to zero, as the filters without an observation get theirs in a batch of sequences."""
+        y = args[0] if args else None
+        if isinstance(y, Tensor) and y.is_floating_point():
+            args = (torch.nan_to_num(y, nan=0.0),) + tuple(args[1:])
+        with self._step_context(), self.state._lock():
+            self.guide.step(self.state, *args, **kwargs)
+
     def _init_weights(self, like: Tensor) -> None:
         dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
         shape = (self.num_filters, self.num_particles)
         self.log_weights = torch.full(shape, -math.log(self.num_particles), dtype=dtype, device=like.device)
         self.log_evidence = torch.zeros(self.num_filters, dtype=dtype, device=like.device)
+
+    def _check_sites(self, model_trace, guide_trace, args: tuple, where: str, predict_only: bool) -> None:
+        """What the traces say: the guide's sites are the model's, discrete state keys, latents
+        kept outside the state, and the observation's dtype (see :mod:`~pyro_smc.infer.smc_checks`)."""
+        if guide_trace is not None:
+            extra = [name for name, site in guide_trace.nodes.items() if is_scored(site) and name not in model_trace.nodes]
+            if extra:
+                own = [name for name, site in model_trace.nodes.items() if is_latent(site)]
+                raise ValueError(
+                    f"at {where}: the guide samples site '{extra[0]}', which the model's step does not have (its latent "
+                    f"sites: {own}); the guide must name its sites as the model does at every step"
+                )
+        check_observed_shapes(model_trace, where)
+        self._discrete_keys |= discrete_state_keys(model_trace, self.state)
+        kept = latent_kept_outside_state(model_trace, self.state, self.model)
+        if kept is not None:
+            site, attribute = kept
+            raise ValueError(
+                f"at {where}: the model keeps latent site '{site}' as self.{attribute}, not in state: SMC resamples only "
+                f"state, so that value is never resampled with its particle and every estimate would be wrong; store it as "
+                f"state['{attribute}'] = pyro.sample(...) and read it from state in the next step"
+            )
+        if not self._dtype_checked and where != "init" and args:
+            # Checked once, at the first step whose observation reaches a site (scored or not).
+            self._dtype_checked = check_observation_dtype(model_trace, args[0], where)
 
     def _check_state(self, where: str) -> None:
         shape = self._particle_shape
@@ -616,11 +691,20 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         self.ess = ess
         if where != "init":
             w = log_w.exp()
+            finite = None
             for key, value in self._batched_state().items():
-                if value.is_floating_point():
-                    flat = value.reshape(value.shape[:2] + (-1,))
-                    mean = (w.unsqueeze(-2) @ flat.to(w.dtype)).squeeze(-2)
-                    self._means.setdefault(key, []).append(mean.reshape((self.num_filters,) + value.shape[2:]))
+                # Every key, labels included: the mean of a 0/1 label is its filtering probability.
+                flat = value.reshape(value.shape[:2] + (-1,))
+                mean = (w.unsqueeze(-2) @ flat.to(w.dtype)).squeeze(-2)
+                ok = torch.isfinite(mean).all()
+                finite = ok if finite is None else finite & ok
+                self._means.setdefault(key, []).append(mean.reshape((self.num_filters,) + value.shape[2:]))
+            if finite is not None and not bool(finite):
+                bad = [key for key, values in self._means.items() if not bool(torch.isfinite(values[-1]).all())]
+                raise ValueError(
+                    f"at {where}: the filtering mean of state['{bad[0]}'] is not finite: a particle's state holds NaN or inf "
+                    "(check the model's transition at that step)"
+                )
             self._ess_history.append(ess)
             pending = self._unrecorded_increment
             self._increments.append(torch.zeros_like(self.log_evidence) if pending is None else pending)
@@ -648,6 +732,11 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
 
     def _resample(self, need: Tensor, where: str) -> None:
         particles = self._batched_state()
+        # A float-coded label (dist.Bernoulli's 0./1.) travels as an integer tensor, which every
+        # resampler copies from one ancestor instead of averaging it.
+        labels = {key: particles[key].dtype for key in self._discrete_keys if key in particles and particles[key].is_floating_point()}
+        for key in labels:
+            particles[key] = particles[key].long()
         if bool(need.all()):
             new, new_log_w = self._call_resampler(particles, self.log_weights, where)
         else:
@@ -657,6 +746,8 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             new_log_w = self.log_weights.index_put((idx,), sub_log_w)
         self.log_weights = new_log_w
         for key, value in new.items():
+            if key in labels:
+                value = value.to(labels[key])
             dict.__setitem__(self.state, key, value if self.num_filters > 1 else value.squeeze(0))
         # An iterative resampler (OTResampler) reports its last solve, one entry per filter it saw.
         solve = getattr(self.resampler, "last_result", None)

@@ -29,11 +29,19 @@ from pyro_smc.tracing import is_latent
 
 __all__ = [
     "NonReparameterizedGradientWarning",
+    "ParticleDegeneracyWarning",
     "check_finite_args",
     "check_marginal_supported",
+    "check_observation_dtype",
+    "check_observed_shapes",
     "check_positive_int",
+    "check_resampler",
+    "discrete_state_keys",
     "is_missing",
+    "latent_kept_outside_state",
     "observed_components",
+    "warn_degenerate_weights",
+    "warn_untrainable_proposal",
     "warn_non_reparameterized",
 ]
 
@@ -47,6 +55,147 @@ class NonReparameterizedGradientWarning(UserWarning):
     with stop-gradient resampling, which adds those terms (see
     ``docs/math/smc.md#stop-gradient-resampling``).
     """
+
+
+class ParticleDegeneracyWarning(UserWarning):
+    """The weights of a run collapsed onto about one particle at many of its steps.
+
+    The estimate then rests on one particle per step: ``log_evidence`` is typically far below the
+    truth (its variance grows exponentially in the number of collapsed steps) and the filtering
+    means follow a single path. Emitted once per :meth:`SMC.run <pyro_smc.SMC.run>` when at
+    least a fifth of the steps, and at least two, end with an effective sample size below 2
+    (with ``num_particles >= 4``). Remedies: more particles, a proposal that looks at the observation
+    (a guide), or a less sharp observation model.
+
+    Example:
+        An observation noise of ``1e-6`` leaves one particle near each observation:
+
+        >>> import warnings, torch, pyro, pyro.distributions as dist
+        >>> from pyro_smc import SMC
+        >>> from pyro_smc.infer import ParticleDegeneracyWarning
+        >>> class Sharp:
+        ...     def init(self, state):
+        ...         self.t = 0
+        ...     def step(self, state, y=None):
+        ...         state["x"] = pyro.sample(f"x_{self.t}", dist.Normal(torch.zeros(()), 1.0))
+        ...         pyro.sample(f"y_{self.t}", dist.Normal(state["x"], 1e-6), obs=y)
+        ...         self.t += 1
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = SMC(Sharp(), num_particles=100).run(torch.randn(10))
+        >>> [issubclass(w.category, ParticleDegeneracyWarning) for w in caught]
+        [True]
+    """
+
+
+def check_resampler(resampler: Any) -> None:
+    """A resampler is a callable instance ``resampler(particles, log_weights)``.
+
+    Raises:
+        ValueError: a class passed for an instance (``OTResampler`` for ``OTResampler()``), or a
+            non-callable.
+    """
+    if isinstance(resampler, type):
+        raise ValueError(f"resampler must be a resampler instance, got the class {resampler.__name__}; did you mean resampler={resampler.__name__}()?")
+    if not callable(resampler):
+        raise ValueError(f"resampler must be callable (particles, log_weights), got {resampler!r}")
+
+
+def discrete_state_keys(model_trace: Trace, state: dict[str, Tensor]) -> set[str]:
+    """The floating-point state keys that hold the value of a latent site with discrete support.
+
+    A regime label drawn from ``dist.Bernoulli`` is a float tensor of 0s and 1s; it must be
+    resampled by copying an ancestor's value, never averaged (optimal transport) or jittered (a
+    kernel). A key is matched to a site by identity (``state[key] = pyro.sample(...)``), as
+    particle smoothing matches them. Integer and bool state tensors are discrete by dtype and not
+    listed.
+    """
+    by_id = {id(site["value"]): site for site in model_trace.nodes.values() if is_latent(site)}
+    keys = set()
+    for key, value in state.items():
+        site = by_id.get(id(value))
+        if site is None or not value.is_floating_point():
+            continue
+        try:
+            discrete = site["fn"].support.is_discrete
+        except NotImplementedError:  # a distribution that declares no support
+            discrete = False
+        if discrete:
+            keys.add(key)
+    return keys
+
+
+def latent_kept_outside_state(model_trace: Trace, state: dict[str, Tensor], model: Any) -> tuple[str, str] | None:
+    """``(site, attribute)`` when the model keeps a latent site's value as an attribute
+    (``self.x = pyro.sample(...)``) and not in ``state``; ``None`` otherwise.
+
+    The engine resamples ``state`` only: a per-particle value kept elsewhere is never resampled,
+    so after the first resampling it belongs to other particles than the weights say, and every
+    estimate is wrong (with no error). Matched by identity, like the state keys.
+    """
+    attributes = getattr(model, "__dict__", None)
+    if not attributes:
+        return None
+    in_state = {id(value) for value in state.values()}
+    latent = {id(site["value"]): name for name, site in model_trace.nodes.items() if is_latent(site) and isinstance(site["value"], Tensor)}
+    for attribute, value in attributes.items():
+        if isinstance(value, Tensor) and id(value) in latent and id(value) not in in_state:
+            return latent[id(value)], attribute
+    return None
+
+
+def warn_untrainable_proposal(guide_trace: Trace, estimator: str) -> bool:
+    """Warns that a score-function estimator gives the guide's parameters no gradient.
+
+    The Fisher identity differentiates ``log p(x, y)`` along the particles' paths: the proposal
+    changes only which paths are drawn, so its parameters get exactly zero gradient, and a guide
+    trained with this estimator ends where it started. The message names the guide's sites, so
+    Python's default filter shows it once per process and guide (``SMCELBO`` builds an engine
+    per step).
+
+    Returns:
+        Whether the trace held a latent site (so the question is settled for the run).
+    """
+    if not any(is_latent(site) for site in guide_trace.nodes.values()):
+        return False
+    params = [site["name"] for site in guide_trace.nodes.values() if site["type"] == "param" and getattr(site["value"], "requires_grad", False)]
+    if not params:
+        params = [
+            site["name"]
+            for site in guide_trace.nodes.values()
+            if is_latent(site) and any(p.requires_grad for p in _distribution_parameters(site["fn"]))
+        ]
+    if params:
+        warnings.warn(
+            f"gradient={estimator!r} gives the guide's (proposal's) parameters exactly zero gradient (it differentiates "
+            f"the model's log-density along the particles' paths; the proposal only chooses the paths), so training the "
+            f"guide with it does nothing (guide sites/params with gradients: {', '.join(sorted(set(params))[:3])}). To learn "
+            f"the proposal, use OTResampler() or an index resampler with the default gradient='detach'",
+            UserWarning,
+            stacklevel=4,
+        )
+    return True
+
+
+def warn_degenerate_weights(ess_history: Tensor, num_particles: int) -> None:
+    """Emits :class:`ParticleDegeneracyWarning` when at least a fifth of the steps, and at least
+    two, end with ESS below 2 in some filter. ``ess_history`` is ``(T, B)``."""
+    if num_particles < 4 or ess_history.numel() == 0:
+        return
+    collapsed = (ess_history < 2).any(-1)
+    count, steps = int(collapsed.sum()), collapsed.numel()
+    # One collapsed step among a few is common with few particles; a fifth of a run is not.
+    if count >= 2 and 5 * count >= steps:
+        first = int(collapsed.nonzero()[0, 0])
+        warnings.warn(
+            ParticleDegeneracyWarning(
+                f"the weights collapsed onto about one particle (ESS < 2 of {num_particles}) at {count} of {steps} steps, "
+                f"first at time step {first}: log_evidence and the filtering means then rest on one particle per step and are "
+                "unreliable (log_evidence typically far too low). Use more particles, a guide that proposes from the "
+                "observation, or check the observation noise"
+            ),
+            stacklevel=3,
+        )
 
 
 def check_marginal_supported(guide: Any, max_plate_nesting: int) -> None:
@@ -156,6 +305,70 @@ def check_finite_args(args: tuple, kwargs: dict, where: str) -> None:
             if bool(torch.isinf(value).any()):
                 raise ValueError(f"observation at {where} contains inf")
             raise ValueError(f"a step argument at {where} contains NaN (only the observation, the first argument, may be missing)")
+
+
+#: Observation dtypes the engine refuses: log-weights and the running log-evidence accumulate over
+#: steps, and half precision (3-4 significant digits, overflow at 65504) cannot hold them.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_observation_dtype(model_trace: Trace, y: Any, where: str) -> bool:
+    """The observation has the dtype its observed site computes in.
+
+    A float64 observation of a float32 model (or the reverse) would silently promote the step's
+    arithmetic to the wider type; Pyro's distributions do not check it. The site observing ``y``
+    is found by identity (``obs=y``); each floating parameter of its distribution must have
+    ``y``'s dtype.
+
+    Returns:
+        Whether a site observing ``y`` was found (and checked).
+
+    Raises:
+        ValueError: naming the step, the site and both dtypes.
+    """
+    if not isinstance(y, Tensor) or not y.is_floating_point():
+        return False
+    found = False
+    for name, site in model_trace.nodes.items():
+        if site["type"] != "sample" or not site["is_observed"] or site["value"] is not y:
+            continue
+        found = True
+        for param in _distribution_parameters(site["fn"]):
+            if param.is_floating_point() and param.dtype != y.dtype:
+                raise ValueError(
+                    f"the observation at {where} is {y.dtype}, but site '{name}' computes in {param.dtype}: pass observations "
+                    f"of the model's dtype (ys.to({param.dtype})) or build the model in {y.dtype}"
+                )
+    return found
+
+
+def check_observed_shapes(model_trace: Trace, where: str) -> None:
+    """Every observed site's value fits its distribution without broadcasting the distribution up.
+
+    Pyro broadcasts an observation against a site's batch shape, which is how one ``(dy,)``
+    observation scores all particles. The other way round is a silent wrong answer: a ``(2,)``
+    observation of a site of shape ``(N, 1)`` scores two observations of one coordinate, and a
+    scalar observation of a site with event shape ``(2,)`` scores the same number twice (torch
+    checks neither with ``validate_args=False``). So the value's right-most dims must equal the
+    event shape, and broadcasting it against the site must leave the site's shape unchanged.
+
+    Raises:
+        ValueError: naming the step, the site and both shapes.
+    """
+    for name, site in model_trace.nodes.items():
+        if site["type"] != "sample" or not site["is_observed"] or not isinstance(site["value"], Tensor):
+            continue
+        fn, shape = site["fn"], tuple(site["value"].shape)
+        event, full = tuple(fn.event_shape), tuple(fn.batch_shape) + tuple(fn.event_shape)
+        # Plain tuples, not torch.broadcast_shapes: this runs at every step.
+        fits = len(shape) <= len(full) and (not event or shape[len(shape) - len(event) :] == event)
+        fits = fits and all(v == f or v == 1 for v, f in zip(reversed(shape), reversed(full)))
+        if not fits:
+            raise ValueError(
+                f"the observation of site '{name}' at {where} has shape {shape}, which does not fit the site "
+                f"(batch shape {tuple(fn.batch_shape)}, event shape {event}): its right-most dims must be the event shape, "
+                "and the rest must broadcast against the batch shape without enlarging it"
+            )
 
 
 def observed_components(args: tuple) -> Tensor | None:

@@ -36,13 +36,14 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 from pyro.infer import ELBO
 from torch import Tensor
 
-from pyro_smc.infer.smc import SMC
+from pyro_smc.infer.smc import SMC, ParticleDegeneracyWarning
 from pyro_smc.infer.smc_observations import check_lengths
 
 __all__ = ["SMCELBO"]
@@ -125,6 +126,7 @@ class SMCELBO(ELBO):
         self.ess_threshold = ess_threshold
         self.num_sequences = num_sequences
         self.smc: SMC | None = None  # the last run, for diagnostics
+        self._warned_degeneracy = False
 
     def _log_evidence(self, model, guide, observations: Tensor, *args, lengths=None, batched: bool = False, **kwargs) -> Tensor:
         """``log Z_hat`` of every filter, ``(B, num_filters)`` (``B = 1`` unbatched)."""
@@ -149,7 +151,20 @@ class SMCELBO(ELBO):
             num_filters=num_filters,
             max_plate_nesting=self.max_plate_nesting,
         )
-        self.smc = smc.run(observations, *args, lengths=lengths, batched=batched, **kwargs)
+        # Collapsed weights are reported once per loss object, not at every SVI step (the counts
+        # in the message would defeat Python's once-per-location filter).
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ParticleDegeneracyWarning)
+            self.smc = smc.run(observations, *args, lengths=lengths, batched=batched, **kwargs)
+        for record in caught:
+            if issubclass(record.category, ParticleDegeneracyWarning):
+                if self._warned_degeneracy:
+                    continue
+                self._warned_degeneracy = True
+                message = f"{record.message} (SMCELBO reports this once; later SVI steps may collapse too)"
+                warnings.warn(ParticleDegeneracyWarning(message), stacklevel=3)
+            else:
+                warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
         return smc.log_evidence.reshape(B, K)
 
     def differentiable_loss(self, model, guide, observations: Tensor, *args, **kwargs) -> Tensor:

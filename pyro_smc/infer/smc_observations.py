@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.smc_checks import check_finite_args, observed_components
+from pyro_smc.infer.smc_checks import HALF_DTYPES, check_finite_args, observed_components
 
 __all__ = ["StepInput", "check_lengths", "fill_missing", "observation_schedule"]
 
@@ -96,6 +96,11 @@ def observation_schedule(observations: Tensor, num_filters: int, lengths: Tensor
         raise ValueError(f"observations must be a tensor of shape (T, ...), got {type(observations).__name__}")
     if not isinstance(batched, bool):
         raise ValueError(f"batched must be True or False, got {batched!r}")
+    if observations.dtype in HALF_DTYPES:
+        raise ValueError(
+            f"observations are {observations.dtype}: half precision cannot hold log-weights accumulated over time steps; "
+            "use float32 or float64 (observations.float())"
+        )
     if batched:
         return _batched_schedule(observations, num_filters, lengths)
     if lengths is not None:
@@ -103,6 +108,8 @@ def observation_schedule(observations: Tensor, num_filters: int, lengths: Tensor
     if observations.dim() == 0:
         raise ValueError("observations must have a leading time dimension, got a scalar")
     T = observations.shape[0]
+    if T == 0:
+        raise ValueError(f"observations has no time steps (shape {tuple(observations.shape)}): there is nothing to filter")
     if not observations.is_floating_point():
         return [StepInput(observations[t], False) for t in range(T)]
     row_missing, partly, _, inf = _row_status(observations.reshape(T, -1), torch.zeros(T, dtype=torch.bool, device=observations.device))
@@ -145,6 +152,8 @@ def _batched_schedule(observations: Tensor, num_filters: int, lengths) -> list[S
             f"observations must have shape (B, T, ...) with B == num_filters == {B} when batched=True, got {tuple(observations.shape)}"
         )
     T = observations.shape[1]
+    if T == 0:
+        raise ValueError(f"observations has no time steps (shape {tuple(observations.shape)}, dim 1 is time): there is nothing to filter")
     lengths = check_lengths(lengths, B, T, observations.device)
     flat = observations.reshape(B, T, -1)
     padded = torch.arange(T, device=observations.device) >= lengths.unsqueeze(-1)  # (B, T)

@@ -351,7 +351,7 @@ def smooth(
             ``exact_steps`` (steps with a non-Gaussian latent site, drawn by FFBS).
 
     Returns:
-        ``{key: (S, T, B, *event)}`` for every floating-point state key, detached.
+        ``{key: (S, T, B, *event)}`` for every state key, detached.
 
     Raises:
         ValueError: ``"genealogy"`` without ancestors; ``"ffbs"`` or ``"rejection"`` with a latent
@@ -365,7 +365,7 @@ def smooth(
     for key in ("draws", "proposals", "accepted", "fallback", "exact_steps"):
         stats.setdefault(key, 0)
     last = history[-1]
-    keys = [k for k, v in last["state"].items() if v.is_floating_point() and all(k in rec["state"] for rec in history)]
+    keys = [k for k in last["state"] if all(k in rec["state"] for rec in history)]
     if method == "genealogy" and (not has_ancestors or any(rec["transported"] for rec in history)):
         raise ValueError(
             "method='genealogy' needs the ancestors an index resampler draws; this resampler moves the particles "

@@ -322,9 +322,12 @@ def _per_particle(log_p: Tensor, site: dict, layout: ParticleLayout) -> Tensor:
     if mpn and log_p.dim() > 0:
         log_p = log_p.reshape(log_p.shape[: max(log_p.dim() - mpn, 0)] + (-1,)).sum(-1)
     if log_p.dim() > len(layout.particle_shape):
+        ones = ", 1" * mpn
         raise ValueError(
-            f"site '{site['name']}' has batch shape {tuple(site['fn'].batch_shape)}: dims left of the "
-            f"particle plate; set max_plate_nesting (now {mpn}) to the number of plates the model uses"
+            f"site '{site['name']}' has batch shape {tuple(site['fn'].batch_shape)}: dims left of the particle plate. "
+            f"Either max_plate_nesting (now {mpn}) is less than the number of plates the model nests inside a step, or "
+            f"a tensor feeding the site lacks the plate dims: with max_plate_nesting={mpn} a per-particle tensor has "
+            f"batch shape (*particles{ones}), so keep the state's event dims right of those"
         )
     return log_p
 

@@ -203,8 +203,8 @@ class SMCResult(NamedTuple):
         log_evidence: ``(B,)`` ``log Z_hat``; ``exp(log_evidence)`` is unbiased for the evidence.
         log_evidence_increments: ``(T, B)`` ``log p_hat(y_t | y_{1:t-1})`` per step (an ``init``
             that scores sites adds its term to the first step); 0 at a predict-only step.
-        filtering_means: ``{key: (T, B, *event)}`` weighted means of each floating state entry,
-            taken before resampling.
+        filtering_means: ``{key: (T, B, *event)}`` weighted means of each state entry (labels
+            included), taken before resampling.
         ess: ``(T, B)`` effective sample size after each step's reweighting, in ``[1, N]``.
         resampled: ``(T, B)`` bool, whether each filter resampled at each step.
         resampler_converged: ``(T, B)`` bool: whether the resampler's inner solve (Sinkhorn for

@@ -18,7 +18,8 @@ class SharpAR1:
         self.t = 0
 
     def step(self, state, y=None):
-        loc = self.theta * state["x"] if self.t else torch.zeros(())
+        # The first mean in the parameter's dtype, so a float32 run is float32 throughout.
+        loc = self.theta * state["x"] if self.t else torch.zeros((), dtype=torch.as_tensor(self.theta).dtype)
         state["x"] = pyro.sample(f"x_{self.t}", dist.Normal(loc, 1.0))
         pyro.sample(f"y_{self.t}", dist.Normal(state["x"], self.obs_sd), obs=y)
         self.t += 1

@@ -520,14 +520,16 @@ class _RecordingGuide:
         self.calls.append(y)
 
 
-def test_partly_missing_observation_skips_the_guide_and_needs_one_observed_site():
+def test_partly_missing_observation_calls_the_guide_on_zeros_and_needs_one_observed_site():
+    """The guide cannot propose from a partly missing observation; it is called with the missing
+    entries set to zero (so its bookkeeping advances) and its draws are discarded."""
     ssm = _lgssm(0.5)
     _, ys = ssm.simulate(3)
     guide = _RecordingGuide()
 
     smc = SMC(ssm, guide, num_particles=5).init()
     smc.step(torch.tensor([math.nan, 0.3]))
-    assert guide.calls == [] and torch.isfinite(smc.log_evidence).all()
+    assert len(guide.calls) == 1 and guide.calls[0].tolist() == [0.0, 0.3] and torch.isfinite(smc.log_evidence).all()
 
     class TwoSites:
         def init(self, state):
@@ -555,11 +557,51 @@ def test_none_or_all_nan_observation_leaves_weights_and_evidence_unchanged():
         smc.step(missing)
         assert torch.equal(smc.log_weights, log_w) and torch.equal(smc.log_evidence, log_z)
         assert not torch.isnan(smc.state["x"]).any()
-    # The guide, which may need the observation, is not called at a predict-only step.
+    # The guide, which may need the observation, does not propose at a predict-only step, but is
+    # called (its draws discarded) so that its own bookkeeping advances.
     guided = SMC(ssm, guide, num_particles=5)
     guided.init()
     guided.step(None)
-    assert guide.calls == []
+    guided.step(torch.full_like(ys[0], math.nan))
+    assert guide.calls[0] is None and guide.calls[1].tolist() == [0.0, 0.0]
+
+
+class _CountingGuide:
+    """An SMCFilter-style guide that counts its own steps (``self.t``) and proposes from the
+    observation: ``N((A x_{t-1} + y_t) / 2, 1)`` with missing entries read as given."""
+
+    def __init__(self, ssm):
+        self.ssm = ssm
+
+    def init(self, state):
+        self.t = 0
+
+    def step(self, state, y=None):
+        prior = state["x"] @ self.ssm.A.T if self.t else self.ssm.init_mean
+        pyro.sample(f"x_{self.t}", dist.Normal((prior + y @ self.ssm.C) / 2, 1.0).to_event(1))
+        self.t += 1
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_guide_that_counts_its_steps_stays_in_step_over_missing_observations(batched):
+    """Before: the guide was skipped at a missing or partly missing step, its counter fell behind,
+    and the next step failed with "guide samples site 'x_2' that the model does not have" (a
+    property test found it). Now it is called there too, and Z_hat stays unbiased for the
+    evidence of the observed entries (Kalman, masked updates)."""
+    torch.manual_seed(0)
+    eye = torch.eye(2, dtype=torch.float64)
+    ssm = LinearGaussianSSM(0.8 * eye, eye, eye, torch.diag(torch.tensor([1.0, 0.5], dtype=torch.float64)), torch.zeros(2, dtype=torch.float64), eye)
+    _, ys = ssm.simulate(8)
+    ys[2] = math.nan  # predict-only
+    ys[5, 0] = math.nan  # partly missing
+    exact, _ = _kalman_with_partly_missing(ssm, ys)
+    B = 200
+    pyro.set_rng_seed(2)
+    with torch.no_grad():
+        smc = SMC(ssm, _CountingGuide(ssm), num_particles=200, num_filters=B)
+        smc.run(ys.expand(B, -1, -1), batched=True) if batched else smc.run(ys)
+    ratio = (smc.log_evidence - exact).exp()
+    assert abs(ratio.mean() - 1) < MC_SIGMAS * ratio.std() / math.sqrt(B)
 
 
 def test_result_snapshot_splits_the_evidence_into_per_step_increments():
