@@ -62,9 +62,9 @@ class ParticleDegeneracyWarning(UserWarning):
 
     The estimate then rests on one particle per step: ``log_evidence`` is typically far below the
     truth (its variance grows exponentially in the number of collapsed steps) and the filtering
-    means follow a single path. Emitted once per :meth:`SMC.run <pyro_smc.SMC.run>` when at
-    least a fifth of the steps, and at least two, end with an effective sample size below 2
-    (with ``num_particles >= 4``). Remedies: more particles, a proposal that looks at the observation
+    means follow a single path. Emitted once per :meth:`SMC.run <pyro_smc.SMC.run>` when, in
+    some filter, at least a fifth of the steps, and at least two, end with an effective sample
+    size below 2 (with ``num_particles >= 4``). Remedies: more particles, a proposal that looks at the observation
     (a guide), or a less sharp observation model.
 
     Example:
@@ -178,18 +178,21 @@ def warn_untrainable_proposal(guide_trace: Trace, estimator: str) -> bool:
 
 
 def warn_degenerate_weights(ess_history: Tensor, num_particles: int) -> None:
-    """Emits :class:`ParticleDegeneracyWarning` when at least a fifth of the steps, and at least
-    two, end with ESS below 2 in some filter. ``ess_history`` is ``(T, B)``."""
+    """Emits :class:`ParticleDegeneracyWarning` when, in some filter, at least a fifth of the
+    steps, and at least two, end with ESS below 2. ``ess_history`` is ``(T, B)``."""
     if num_particles < 4 or ess_history.numel() == 0:
         return
-    collapsed = (ess_history < 2).any(-1)
-    count, steps = int(collapsed.sum()), collapsed.numel()
+    collapsed = ess_history < 2  # (T, B)
+    per_filter = collapsed.sum(0)
+    worst = int(per_filter.argmax())
+    count, steps = int(per_filter[worst]), collapsed.shape[0]
     # One collapsed step among a few is common with few particles; a fifth of a run is not.
     if count >= 2 and 5 * count >= steps:
-        first = int(collapsed.nonzero()[0, 0])
+        first = int(collapsed[:, worst].nonzero()[0, 0])
+        which = f" in filter {worst}" if collapsed.shape[1] > 1 else ""
         warnings.warn(
             ParticleDegeneracyWarning(
-                f"the weights collapsed onto about one particle (ESS < 2 of {num_particles}) at {count} of {steps} steps, "
+                f"the weights collapsed onto about one particle (ESS < 2 of {num_particles}) at {count} of {steps} steps{which}, "
                 f"first at time step {first}: log_evidence and the filtering means then rest on one particle per step and are "
                 "unreliable (log_evidence typically far too low). Use more particles, a guide that proposes from the "
                 "observation, or check the observation noise"
