@@ -49,7 +49,7 @@ import torch
 from _common import add_common_args, f2, f3, met_summary, plural, print_table, progress, setup, write_results, yn
 from pyro_smc import EPSmoother
 from pyro_smc.infer import Linearization, Unscented, gaussian_filter
-from pyro_smc.models import NonlinearGaussianSSM
+from pyro_smc.models import NonlinearGaussianSSM, time_dependent
 
 SEEDS = list(range(101, 1101, 100))
 T_OBS = 100
@@ -75,6 +75,7 @@ UT_TRANSITION = {"alpha": 1.0, "beta": 2.0, "kappa": 3.0}
 UT_MEASUREMENT = {"alpha": 1.0, "beta": 2.0, "kappa": 2.0}
 
 
+@time_dependent
 def transition(x: torch.Tensor, t: int) -> torch.Tensor:
     return 0.5 * x + 25 * x / (1 + x**2) + 8 * math.cos(1.2 * t)
 

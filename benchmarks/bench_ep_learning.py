@@ -65,7 +65,7 @@ import bench_ep_pendulum as pend
 from _common import add_common_args, f2, f3, g3, met_summary, print_table, progress, ratio, setup, write_results
 from pyro_smc import SMC, EPSmoother
 from pyro_smc.infer import Unscented, fit_evidence
-from pyro_smc.models import NonlinearGaussianSSM
+from pyro_smc.models import NonlinearGaussianSSM, time_dependent
 from pyro_smc.resamplers import OTResampler, SystematicResampler
 
 F64 = torch.float64
@@ -101,6 +101,7 @@ class UNGMTransition(PyroModule):
         self.b = PyroParam(torch.tensor(b, dtype=F64))
         self.c = PyroParam(torch.tensor(c, dtype=F64))
 
+    @time_dependent
     def forward(self, x, t):
         return 0.5 * x + self.b * x / (1 + x**2) + self.c * math.cos(1.2 * t)
 

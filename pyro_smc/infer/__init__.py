@@ -3,7 +3,7 @@ Gaussian filters and smoothers it refines, with their projections (:class:`Linea
 :class:`Unscented`, :class:`MomentMatching`, subclasses of :class:`Projection`);
 :func:`fit_evidence` to learn a model's parameters from the evidence; :class:`OnlineVariationalFilter`."""
 
-from pyro_smc.infer.ep_smoother import EPSmoother
+from pyro_smc.infer.ep_smoother import EPConvergenceWarning, EPSmoother
 from pyro_smc.infer.evidence_fit import fit_evidence
 from pyro_smc.infer.gaussian_smoothers import (
     GaussianSmootherResult,
@@ -25,6 +25,7 @@ __all__ = [
     "SMC",
     "SMCELBO",
     "EPSmoother",
+    "EPConvergenceWarning",
     "GaussianSmootherResult",
     "Linearization",
     "MomentMatching",

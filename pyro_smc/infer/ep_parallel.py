@@ -31,8 +31,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pyro_smc.infer.ep_sites import failure_hint
 from pyro_smc.ops.affine_chain import affine_chain_smoother
-from pyro_smc.ops.gaussian import is_proper, symmetrize, to_moment, to_natural
+from pyro_smc.ops.gaussian import NotPositiveDefiniteError, check_finite_steps, is_proper, symmetrize, to_moment, to_natural
 from pyro_smc.ops.kalman import mask_missing
 from pyro_smc.ops.results import EPIteration
 
@@ -81,6 +82,15 @@ def initial_cavities(sites, cavities: _Cavities) -> Tensor:
     return cavities.pack(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
 
 
+def _natural_where_proper(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`to_natural` of a batch, with the members whose ``cov`` is not positive definite
+    converted from the identity instead and flagged ``False`` in the third output."""
+    ok = is_proper(cov)
+    eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device).expand_as(cov)
+    eta, lam = to_natural(mean, torch.where(ok[..., None, None], cov, eye))
+    return eta, lam, ok
+
+
 def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor, observed: Tensor, gamma: float) -> _Fitted:
     """One iteration of the parallel schedule from the cavities ``theta``: fit every factor at its
     cavity, solve the fitted chain, and damp the cavities towards the chain's (``gamma``)."""
@@ -114,29 +124,64 @@ def parallel_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor,
     # 3. The exact messages of the fitted chain.
     chain = affine_chain_smoother(ssm.init_mean, ssm.init_cov, F, offset, noise, H, resid, R, mask)
     # 4. The new cavities: the filtering distributions, and the marginals less the measurement messages.
-    new_eta, new_lam = [], []
+    new_eta, new_lam, usable = [], [], []
     if k:
-        eta, lam = to_natural(chain.filtered_means[:k], chain.filtered_covs[:k])
+        eta, lam, ok = _natural_where_proper(chain.filtered_means[:k], chain.filtered_covs[:k])
         new_eta.append(eta)
         new_lam.append(lam)
+        usable.append(ok)
     if cavities.measured:
         Hm, Rm, rm = H[idx], R[idx], resid[idx]
-        sol = torch.cholesky_solve(torch.cat([Hm, rm.unsqueeze(-1)], -1), torch.linalg.cholesky(Rm))
-        eta_q, lam_q = to_natural(chain.smoothed_means[idx], chain.smoothed_covs[idx])
+        chol, info = torch.linalg.cholesky_ex(Rm)
+        if bool((info != 0).any()):
+            step = cavities.measured[int((info != 0).nonzero()[0, 0])]
+            raise NotPositiveDefiniteError(
+                f"the noise S - J P J^T of the measurement model fitted at time step {step} is not positive definite "
+                "(it cancels to rounding where the measurement noise is tiny next to the state's spread)"
+            )
+        sol = torch.cholesky_solve(torch.cat([Hm, rm.unsqueeze(-1)], -1), chol)
+        eta_q, lam_q, ok = _natural_where_proper(chain.smoothed_means[idx], chain.smoothed_covs[idx])
         new_eta.append(eta_q - (Hm.transpose(-1, -2) @ sol[..., -1:]).squeeze(-1))
         new_lam.append(symmetrize(lam_q - Hm.transpose(-1, -2) @ sol[..., :-1]))
+        usable.append(ok)
     new_eta = torch.cat(new_eta) if new_eta else like.new_zeros(0, d)
     new_lam = torch.cat(new_lam) if new_lam else like.new_zeros(0, d, d)
-    # An update whose cavity would not be proper keeps the old cavity (counted, as in EP).
+    # An update whose cavity would not be proper keeps the old cavity (counted, as in EP); so
+    # does one whose marginal from the chain is not (rounding, in float32 at extreme scales).
     eta_old, lam_old = torch.cat([eta_tr, eta_ms]), torch.cat([lam_tr, lam_ms])
     eta_new = (1 - gamma) * eta_old + gamma * new_eta
     lam_new = (1 - gamma) * lam_old + gamma * new_lam
     proper = is_proper(lam_new)
+    if usable:
+        proper = proper & torch.cat(usable)
     skipped = int((~proper).sum())
     if skipped:
         eta_new = torch.where(proper.unsqueeze(-1), eta_new, eta_old)
         lam_new = torch.where(proper.unsqueeze(-1).unsqueeze(-1), lam_new, lam_old)
     return _Fitted(cavities.pack(eta_new, lam_new), chain.smoothed_means, chain.smoothed_covs, chain.log_evidence_increments, skipped)
+
+
+def _checked_iteration(smoother, cavities: _Cavities, theta: Tensor, ys: Tensor, observed: Tensor, gamma: float, index: int) -> _Fitted:
+    """:func:`parallel_iteration`, with a failed factorisation or non-finite marginals turned into
+    a ``ValueError`` naming the iteration (``index``, 0-based, the first sweep counted) and the
+    first cavity or time step at fault."""
+    where = f"EPSmoother(schedule='parallel'): in iteration {index + 1}"
+    try:
+        fitted = parallel_iteration(smoother, cavities, theta, ys, observed, gamma)
+    except (NotPositiveDefiniteError, torch.linalg.LinAlgError) as error:
+        detail = str(error).splitlines()[0]
+        if "time step" not in detail:  # locate it: the first improper cavity, if any
+            (_, lam_tr), (_, lam_ms) = cavities.unpack(theta)
+            proper = is_proper(torch.cat([lam_tr, lam_ms])).tolist()
+            if not all(proper):
+                i = proper.index(False)
+                step = i if i < cavities.T - 1 else cavities.measured[i - cavities.T + 1]
+                detail = f"the cavity of the {'transition out of' if i < cavities.T - 1 else 'measurement at'} time step {step} is improper ({detail})"
+            else:
+                detail = f"solving the fitted linear-Gaussian chain failed ({detail})"
+        raise ValueError(f"{where}, {detail}; {failure_hint(index)}") from error
+    check_finite_steps(where, {"marginal mean": fitted.means, "marginal covariance": fitted.covs, "log-evidence increment": fitted.increments}, failure_hint(index))
+    return fitted
 
 
 def iterate_parallel(smoother, ys: Tensor, observed: Tensor, status: list, start: tuple | None = None):
@@ -160,7 +205,7 @@ def iterate_parallel(smoother, ys: Tensor, observed: Tensor, status: list, start
     # it shrinks.
     gamma, step, residual = smoother.damping, 1.0, float("inf")
     for _ in range(len(history), smoother.max_iter):
-        fitted = parallel_iteration(smoother, cavities, theta, ys, observed, gamma)
+        fitted = _checked_iteration(smoother, cavities, theta, ys, observed, gamma, len(history))
         change = max(float((fitted.means - means).detach().abs().max()), float((fitted.covs - covs).detach().abs().max()))
         theta, means, covs = fitted.theta, fitted.means, fitted.covs
         history.append(EPIteration(change, fitted.skipped))

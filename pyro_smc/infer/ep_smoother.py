@@ -62,26 +62,38 @@ References:
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import Tensor
 
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.ep_parallel import iterate_parallel, parallel_implicit_gradient
-from pyro_smc.infer.ep_sites import Natural, _Sites
+from pyro_smc.infer.ep_sites import Natural, _improper, _in_sweep, _non_finite, _Sites, failure_hint, site_name
 from pyro_smc.infer.gaussian_smoothers import observation_status, observed_moments
 from pyro_smc.infer.projections import Projection, as_projection
 from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
-from pyro_smc.ops.gaussian import is_proper, symmetrize, to_moment, to_natural
+from pyro_smc.ops.gaussian import NotPositiveDefiniteError, check_finite_steps, is_proper, symmetrize, to_moment, to_natural
 from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.kalman import predict, update
 from pyro_smc.ops.results import EPIteration, EPState, GaussianSmootherResult
 
-__all__ = ["EPSmoother"]
+__all__ = ["EPConvergenceWarning", "EPSmoother"]
 
 GRADIENTS = ("implicit", "unrolled")
 SCHEDULES = ("sequential", "parallel")
 
+
+class EPConvergenceWarning(UserWarning):
+    """:meth:`EPSmoother.smooth` stopped at ``max_iter`` without reaching ``tol``: the result is the
+    last sweep's, not an EP fixed point (``result.converged`` is ``False``; ``result.history`` has
+    the changes). Warned once per call.
+
+    Example:
+        >>> import warnings
+        >>> issubclass(EPConvergenceWarning, UserWarning)
+        True
+    """
 
 
 class EPSmoother:
@@ -260,7 +272,15 @@ class EPSmoother:
             ``ep_state`` is where the iteration stopped, for ``init=``.
 
         Raises:
-            ValueError: ``init`` without an ``ep_state`` of this schedule and missing-data pattern.
+            ValueError: ``init`` without an ``ep_state`` of this schedule and missing-data pattern;
+                observations of the wrong shape, with no time step, or of another dtype or device
+                than the model's; a message, marginal or evidence term that is not finite, or an
+                update whose factorisation fails (naming the sweep, the time step and the message,
+                with what to try).
+
+        Warns:
+            EPConvergenceWarning: EP stopped at ``max_iter`` (> 1) without reaching ``tol``; once
+                per call. ``converged`` is then ``False``.
         """
         ssm = self.ssm
         ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
@@ -283,6 +303,16 @@ class EPSmoother:
                 means, covs, increments = parallel_implicit_gradient(self, cavities, theta, (means, covs, increments), ys, observed, history, converged, gamma)
             elif implicit:
                 means, covs, increments = self._with_implicit_gradient(sites, models, (means, covs, increments), ys, observed, status, history, converged)
+        check_finite_steps("EPSmoother", {"marginal mean": means, "marginal covariance": covs, "log-evidence increment": increments}, failure_hint(None))
+        if not converged and self.max_iter > 1:
+            warnings.warn(
+                f"EPSmoother: EP did not converge in max_iter={self.max_iter} sweeps (last change {history[-1].change:.3g} > "
+                f"tol={self.tol:g}); the result is the last sweep's, not an EP fixed point. Raise max_iter, damp (damping < 1), "
+                f"use power < 1{' (sequential schedule)' if self.schedule == 'parallel' else ''}, or keep the first sweep "
+                "(max_iter=1, the Gaussian smoother); result.history has the changes",
+                EPConvergenceWarning,
+                stacklevel=2,
+            )
         return GaussianSmootherResult(
             means, covs, first_sweep=first_sweep, history=tuple(history), converged=converged,
             log_evidence=increments.sum(0), log_evidence_increments=increments, ep_state=state,
@@ -313,9 +343,14 @@ class EPSmoother:
             first = sweep == 0 and start is None
             alpha = 1.0 if first else self.power
             gamma = 1.0 if first else self.damping
-            skipped = self._sweep(sites, ys, observed, status, alpha, gamma, models)
-            means, covs = sites.moments()
+            skipped = self._sweep(sites, ys, observed, status, alpha, gamma, models, sweep=len(history))
+            try:
+                means, covs = sites.moments()
+            except NotPositiveDefiniteError as error:
+                raise _improper(sites, len(history), skipped) from error
             change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
+            if not bool(torch.isfinite(means).all() & torch.isfinite(covs).all()):  # or the sweeps would go on to max_iter
+                raise _non_finite(sites, len(history))
             history.append(EPIteration(change, skipped))
             if first:
                 first_sweep = GaussianSmootherResult(means, covs)
@@ -378,38 +413,50 @@ class EPSmoother:
             return tuple(v.detach() + 0 * z.sum() for v in values)
         return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, outputs_at(z)))
 
-    def _sweep(self, sites: _Sites, ys: Tensor, observed: Tensor, status: list, alpha: float, gamma: float, models: list) -> int:
+    def _sweep(self, sites: _Sites, ys: Tensor, observed: Tensor, status: list, alpha: float, gamma: float, models: list, sweep: int | None = None) -> int:
         """One forward-backward pass of site updates; returns the number of updates skipped
         because a cavity or the updated marginal was not a proper Gaussian. Writes each step's
         measurement model and transition linearisation computed in this sweep into ``models[t]``
-        and ``models[T + t]`` (an entry not computed keeps the previous sweep's)."""
+        and ``models[T + t]`` (an entry not computed keeps the previous sweep's). ``sweep`` (its
+        0-based index) only names it in an error."""
         skipped = 0
         T = ys.shape[0]
         # The backward update at t uses the same cavity q(t) / q_bwd(t)^alpha as the forward
         # update at t + 1 (neither q_fwd(t), q_meas(t) nor q_bwd(t) changes in between), so
         # each transition is projected once per sweep.
         transitions: list = [None] * T
-        for t in range(T):
-            if t > 0:
-                cavity = sites.marginal(t - 1, "bwd", alpha)
-                if bool(is_proper(cavity[1])):
-                    transitions[t - 1] = self._transition(cavity, t - 1)
-                    skipped += not sites.accept("fwd", t, self._forward(transitions[t - 1], alpha), gamma)
-                else:
+        site = ("fwd", 0)  # the update under way, for the error message
+        try:
+            for t in range(T):
+                if t > 0:
+                    site = ("fwd", t)
+                    cavity = sites.marginal(t - 1, "bwd", alpha)
+                    if bool(is_proper(cavity[1])):
+                        transitions[t - 1] = self._transition(cavity, t - 1)
+                        skipped += not sites.accept("fwd", t, self._forward(transitions[t - 1], alpha), gamma)
+                    else:
+                        skipped += 1
+                if status[t]:
+                    site = ("meas", t)
+                    cavity = sites.marginal(t, "meas", alpha)
+                    if bool(is_proper(cavity[1])):
+                        update, models[t] = self._measurement(cavity, ys[t], observed[t] if status[t] == 1 else None, t)
+                        skipped += not sites.accept("meas", t, update, gamma)
+                    else:
+                        skipped += 1
+            models[T:] = [new or kept for new, kept in zip(transitions, models[T:])]
+            for t in range(T - 2, -1, -1):
+                site = ("bwd", t)
+                if transitions[t] is None:  # its cavity was improper in the forward sweep
                     skipped += 1
-            if status[t]:
-                cavity = sites.marginal(t, "meas", alpha)
-                if bool(is_proper(cavity[1])):
-                    update, models[t] = self._measurement(cavity, ys[t], observed[t] if status[t] == 1 else None, t)
-                    skipped += not sites.accept("meas", t, update, gamma)
-                else:
-                    skipped += 1
-        models[T:] = [new or kept for new, kept in zip(transitions, models[T:])]
-        for t in range(T - 2, -1, -1):
-            if transitions[t] is None:  # its cavity was improper in the forward sweep
-                skipped += 1
-                continue
-            skipped += not sites.accept("bwd", t, self._backward(transitions[t], sites.marginal(t + 1, "fwd", alpha), alpha), gamma)
+                    continue
+                skipped += not sites.accept("bwd", t, self._backward(transitions[t], sites.marginal(t + 1, "fwd", alpha), alpha), gamma)
+        except (NotPositiveDefiniteError, torch.linalg.LinAlgError) as error:
+            kind, t = site
+            raise ValueError(
+                f"EPSmoother: {_in_sweep(sweep)}, the update of the {site_name(kind, t)} failed "
+                f"({str(error).splitlines()[0]}); {failure_hint(sweep)}"
+            ) from error
         return skipped
 
 
@@ -429,6 +476,12 @@ def _ep_log_evidence_increments(init_mean: Tensor, init_cov: Tensor, models: lis
         increment = ys.new_zeros(())
         if models[t] is not None:
             J, c, noise, y = models[t]
-            m, P, increment = update(m, P, y - c, J, noise)  # y - c = J x + v
+            try:
+                m, P, increment = update(m, P, y - c, J, noise)  # y - c = J x + v
+            except torch.linalg.LinAlgError as error:
+                raise ValueError(
+                    f"EPSmoother: the EP evidence's Kalman filter over the fitted linear-Gaussian model failed at time step {t}: "
+                    f"its innovation covariance is not positive definite; {failure_hint(1)}"
+                ) from error
         increments.append(increment)
     return torch.stack(increments) if increments else ys.new_zeros(0)

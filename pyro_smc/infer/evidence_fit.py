@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from pyro_smc.infer.ep_smoother import EPConvergenceWarning
+
 __all__ = ["fit_evidence"]
 
 
@@ -75,7 +77,10 @@ def fit_evidence(
         The loss ``-sum log_evidence / total number of time steps`` at every step, as floats.
 
     Raises:
-        ValueError: ``num_steps < 0``, an unknown ``on_nonconvergence``, or no parameters.
+        ValueError: ``num_steps < 0``, an unknown ``on_nonconvergence``, or no parameters; a
+            smoother error (a non-finite evidence or marginal, a failed factorisation: naming the
+            optimiser step, the sequence and the time step); or a non-finite gradient (naming the
+            step and the parameters; that step is not taken).
         RuntimeError: a non-converged EP run with ``on_nonconvergence="raise"``.
 
     A ``PyroModule`` keeps its parameters in Pyro's global parameter store, by name, once it has
@@ -112,22 +117,29 @@ def fit_evidence(
     if on_nonconvergence not in ("raise", "unrolled"):
         raise ValueError(f"on_nonconvergence must be 'raise' or 'unrolled', got {on_nonconvergence!r}")
     sequences = [observations] if isinstance(observations, Tensor) else list(observations)
+    if not sequences:
+        raise ValueError("fit_evidence: observations is an empty list; give one sequence (T, e) or a list of them")
     length = sum(len(y) for y in sequences)
     if optimizer is None:
         params = list(smoother.ssm.parameters() if params is None else params)
         if not params:
             raise ValueError("fit_evidence: the model has no parameters; make the learnable parts PyroParams or nn.Parameters")
         optimizer = torch.optim.Adam(params, lr=lr)
+    fitted = [p for group in optimizer.param_groups for p in group["params"]]
+    names = _parameter_names(smoother, fitted)
     # Only a fixed point is differentiated implicitly; one sweep (max_iter=1) or unrolled sweeps
     # have an exact gradient whether or not EP has converged.
     needs_fixed_point = getattr(smoother, "gradient", "implicit") == "implicit" and getattr(smoother, "max_iter", 2) > 1
     losses: list[float] = []
     unrolled = 0
     previous: list = [None] * len(sequences)
-    with torch.enable_grad():
+    # This loop has its own policy for runs that stopped at max_iter (on_nonconvergence, and one
+    # warning at the end), so the smoother's per-run EPConvergenceWarning would only repeat it.
+    with torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", EPConvergenceWarning)
         for step in range(int(num_steps)):
             optimizer.zero_grad()
-            results = [smoother.smooth(y, init=p) if p is not None else smoother.smooth(y) for y, p in zip(sequences, previous)]
+            results = [_smooth(smoother, y, p, step, i) for i, (y, p) in enumerate(zip(sequences, previous))]
             stuck = [i for i, r in enumerate(results) if needs_fixed_point and not r.converged]
             if stuck and on_nonconvergence == "raise":
                 raise RuntimeError(
@@ -140,11 +152,12 @@ def fit_evidence(
                 fallback = copy.copy(smoother)
                 fallback.gradient = "unrolled"
                 for i in stuck:
-                    results[i] = fallback.smooth(sequences[i])
+                    results[i] = _smooth(fallback, sequences[i], None, step, i)
             if warm_start:
                 previous = [r if r.converged and getattr(r, "ep_state", None) is not None else None for r in results]
             loss = -sum(r.log_evidence for r in results) / length
             loss.backward()
+            _check_gradients(fitted, names, step)
             optimizer.step()
             losses.append(float(loss.detach()))
             if callback is not None:
@@ -155,4 +168,31 @@ def fit_evidence(
             RuntimeWarning, stacklevel=2,
         )
     return losses
+
+
+def _smooth(smoother, observations, init, step: int, index: int):
+    """``smoother.smooth``, its errors (a non-finite evidence, a failed factorisation) naming the
+    optimiser step and the sequence as well."""
+    try:
+        return smoother.smooth(observations) if init is None else smoother.smooth(observations, init=init)
+    except ValueError as error:
+        raise ValueError(f"fit_evidence: at optimiser step {step}, sequence {index}: {error}") from error
+
+
+def _parameter_names(smoother, params: list) -> list[str]:
+    named = {id(p): name for name, p in getattr(smoother.ssm, "named_parameters", lambda: [])()}
+    return [named.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
+
+
+def _check_gradients(params: list, names: list[str], step: int) -> None:
+    """Refuses to step on a non-finite gradient (one host sync), which would make the parameter
+    non-finite and every later step meaningless."""
+    grads = [(name, p.grad) for name, p in zip(names, params) if p.grad is not None]
+    if not grads or bool(torch.stack([torch.isfinite(g).all() for _, g in grads]).all()):
+        return
+    bad = [name for name, g in grads if not bool(torch.isfinite(g).all())]
+    raise ValueError(
+        f"fit_evidence: at optimiser step {step} the gradient of the evidence is not finite in {', '.join(bad)} (the "
+        "parameters sit where the model is not differentiable, e.g. at the edge of a constraint); the step was not taken"
+    )
 

@@ -25,7 +25,9 @@ hyperparameters (and in ``X``, ``Y`` when they are parameters): GP-ADF/GP-RTSS e
 maximisation.
 Missing data follow the rule of :mod:`pyro_smc.models.protocol`: a step whose observation is
 all NaN (or ``None`` in a list) is predicted only; a partly NaN one is conditioned on its
-observed entries.
+observed entries. No result is ever non-finite: a mean, covariance or evidence term that is not
+finite, or a covariance whose factorisation fails, is a ``ValueError`` naming the first time step
+where it happened (checked once per run on the stacked result).
 
 Example:
     >>> import torch
@@ -50,7 +52,7 @@ from torch import Tensor
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.projections import Projection, Unscented, as_projection
 from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
-from pyro_smc.ops.gaussian import symmetrize
+from pyro_smc.ops.gaussian import check_finite_steps, symmetrize
 from pyro_smc.ops.results import GaussianSmootherResult
 
 __all__ = [
@@ -96,32 +98,60 @@ def _filter(ssm: GaussianStateSpaceModel, observations, projection: Projection):
         return _filter_pinned(ssm, observations, projection)
 
 
+DIVERGED = (
+    "the model diverged or a map returned non-finite values there: check the transition and observation maps at "
+    "those states (an unstable model, a wrong map or time index), the scales of the covariances, or run in float64"
+)
+
+
+def _failed(where: str, t: int, moments: dict[str, list], error: Exception) -> ValueError:
+    """The error for a factorisation that failed at step ``t``: non-finite moments at the first
+    step that has them (the likely cause), else a covariance that is not positive definite."""
+    try:
+        check_finite_steps(where, {name: torch.stack(values) for name, values in moments.items() if values}, DIVERGED)
+    except ValueError as located:
+        return located
+    return ValueError(
+        f"{where}: at time step {t} a covariance is not positive definite (the predicted or the innovation covariance; "
+        f"{type(error).__name__}: {str(error).splitlines()[0]}); {DIVERGED}, or give the noise covariances more room "
+        "relative to the state's scale"
+    )
+
+
 def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Projection):
     transition, observation = projection.for_factor("transition"), projection.for_factor("observation")
     ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
     status = observation_status(observed)
+    where = f"Gaussian filter ({projection!r})"
     m, P = ssm.init_mean, ssm.init_cov
     means, covs, predictions, increments = [], [], [], []
     log_lik = ys.new_zeros(())
     for t in range(ys.shape[0]):
-        if t > 0:
-            M, S, C = transition.moments(ssm.transition_fn, m, P, t - 1, ssm.transition_cov)
-            predictions.append((M, S, C))
-            m, P = M, S
-        increment = log_lik.new_zeros(())
-        if status[t]:
-            y, (mu, S_y, C_y) = ys[t], observation.moments(ssm.observation_fn, m, P, t, ssm.observation_cov)
-            if status[t] == 1:
-                y, mu, S_y, C_y = observed_moments(y, observed[t], mu, S_y, C_y)
-            gain_t = torch.linalg.solve(S_y, C_y.transpose(-1, -2))  # K^T = S_y^{-1} C_y^T
-            m = m + (y - mu) @ gain_t
-            P = symmetrize(P - C_y @ gain_t)
-            increment = _log_normal(y, mu, S_y)
-            log_lik = log_lik + increment
+        try:
+            if t > 0:
+                M, S, C = transition.moments(ssm.transition_fn, m, P, t - 1, ssm.transition_cov)
+                predictions.append((M, S, C))
+                m, P = M, S
+            increment = log_lik.new_zeros(())
+            if status[t]:
+                y, (mu, S_y, C_y) = ys[t], observation.moments(ssm.observation_fn, m, P, t, ssm.observation_cov)
+                if status[t] == 1:
+                    y, mu, S_y, C_y = observed_moments(y, observed[t], mu, S_y, C_y)
+                gain_t = torch.linalg.solve(S_y, C_y.transpose(-1, -2))  # K^T = S_y^{-1} C_y^T
+                m = m + (y - mu) @ gain_t
+                P = symmetrize(P - C_y @ gain_t)
+                increment = _log_normal(y, mu, S_y)
+                log_lik = log_lik + increment
+        except torch.linalg.LinAlgError as error:
+            raise _failed(where, t, {"filtering mean": means + [m], "filtering covariance": covs + [P]}, error) from error
         means.append(m)
         covs.append(P)
         increments.append(increment)
-    increments = torch.stack(increments) if increments else log_lik.new_zeros(0)
+    increments = torch.stack(increments)
+    means, covs = torch.stack(means), torch.stack(covs)
+    # One check per run: a NaN that never reaches a factorisation (an unobserved coordinate)
+    # would otherwise pass silently, beside a finite evidence.
+    check_finite_steps(where, {"filtering mean": means, "filtering covariance": covs, "log-evidence increment": increments}, DIVERGED)
     return means, covs, predictions, log_lik, increments
 
 
@@ -143,7 +173,10 @@ def gaussian_filter(
         (T, d, d)``, ``log_evidence`` ``()`` and ``log_evidence_increments`` ``(T,)``.
 
     Raises:
-        ValueError: an unknown projection name, or observations of the wrong shape.
+        ValueError: an unknown projection name; observations of the wrong shape, with no time
+            step, or of a dtype or device other than the model's; a mean, covariance or evidence
+            term that is not finite, or a covariance that is not positive definite (naming the
+            time step: the model diverged or a map returned non-finite values there).
 
     Example:
         On a linear-Gaussian model the filter is the Kalman filter, and its ``log_evidence``
@@ -163,7 +196,7 @@ def gaussian_filter(
         True
     """
     means, covs, _, log_lik, increments = _filter(ssm, observations, as_projection(projection, unscented))
-    return GaussianSmootherResult(torch.stack(means), torch.stack(covs), log_evidence=log_lik, log_evidence_increments=increments)
+    return GaussianSmootherResult(means, covs, log_evidence=log_lik, log_evidence_increments=increments)
 
 
 def gaussian_smoother(
@@ -184,7 +217,10 @@ def gaussian_smoother(
         ``(T,)``.
 
     Raises:
-        ValueError: an unknown projection name, or observations of the wrong shape.
+        ValueError: an unknown projection name; observations of the wrong shape, with no time
+            step, or of a dtype or device other than the model's; a mean, covariance or evidence
+            term that is not finite, or a covariance that is not positive definite (naming the
+            time step: the model diverged or a map returned non-finite values there).
 
     Example:
         On a linear-Gaussian model the smoother is the RTS smoother:
@@ -202,14 +238,21 @@ def gaussian_smoother(
         >>> torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
         True
     """
-    means, covs, predictions, log_lik, increments = _filter(ssm, observations, as_projection(projection, unscented))
+    projection = as_projection(projection, unscented)
+    means, covs, predictions, log_lik, increments = _filter(ssm, observations, projection)
+    where = f"Gaussian smoother ({projection!r})"
     ms, Ps = [means[-1]], [covs[-1]]
     for t in range(len(means) - 2, -1, -1):
         M, S, C = predictions[t]
-        gain = torch.linalg.solve(S, C.transpose(-1, -2)).transpose(-1, -2)  # G = C S^{-1}
+        try:
+            gain = torch.linalg.solve(S, C.transpose(-1, -2)).transpose(-1, -2)  # G = C S^{-1}
+        except torch.linalg.LinAlgError as error:
+            raise ValueError(f"{where}: the predicted covariance of time step {t + 1} is singular, so the smoother gain at time step {t} is undefined; {DIVERGED}") from error
         ms.append(means[t] + (ms[-1] - M) @ gain.transpose(-1, -2))
         Ps.append(symmetrize(covs[t] + gain @ (Ps[-1] - S) @ gain.transpose(-1, -2)))
-    return GaussianSmootherResult(torch.stack(ms[::-1]), torch.stack(Ps[::-1]), log_evidence=log_lik, log_evidence_increments=increments)
+    ms, Ps = torch.stack(ms[::-1]), torch.stack(Ps[::-1])
+    check_finite_steps(where, {"smoothed mean": ms, "smoothed covariance": Ps}, DIVERGED)
+    return GaussianSmootherResult(ms, Ps, log_evidence=log_lik, log_evidence_increments=increments)
 
 
 def extended_kalman_filter(ssm: GaussianStateSpaceModel, observations: Tensor) -> GaussianSmootherResult:

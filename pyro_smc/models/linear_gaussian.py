@@ -33,9 +33,11 @@ from pyro_smc.ops import kalman
 __all__ = ["DiagonalLinearGaussianSSM", "LinearGaussianSSM"]
 
 
-def _check_matrix(name: str, value: Tensor, shape: tuple[int, int], psd: bool = False) -> Tensor:
+def _check_matrix(name: str, value: Tensor, shape: tuple[int, int], psd: bool = False, like: Tensor | None = None) -> Tensor:
     if not isinstance(value, Tensor):
-        value = torch.as_tensor(value, dtype=torch.get_default_dtype())
+        value = torch.as_tensor(value, dtype=torch.get_default_dtype() if like is None else like.dtype)
+    if like is not None and (value.dtype != like.dtype or value.device != like.device):
+        raise ValueError(f"{name} has dtype {value.dtype} on {value.device}, but A {like.dtype} on {like.device}: give the model one dtype and device")
     if tuple(value.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
     if not torch.isfinite(value).all():
@@ -60,7 +62,8 @@ class LinearGaussianSSM(PyroModule):
         init_cov: covariance of ``x_1`` ``(d, d)``, positive definite.
 
     Raises:
-        ValueError: the matrices' shapes do not agree, or a covariance is not positive definite.
+        ValueError: the matrices' shapes, dtypes or devices do not agree (``A`` sets the model's),
+            an entry is not finite, or a covariance is not positive definite.
 
     Example:
         >>> import torch
@@ -87,15 +90,24 @@ class LinearGaussianSSM(PyroModule):
         if C.dim() != 2 or C.shape[1] != d:
             raise ValueError(f"C must have shape (dy, {d}), got {tuple(C.shape)}")
         dy = C.shape[0]
+        if not A.is_floating_point():
+            raise ValueError(f"A must be a floating-point tensor (it sets the model's dtype), got {A.dtype}")
         self.register_buffer("A", _check_matrix("A", A, (d, d)))
-        self.register_buffer("Q", _check_matrix("Q", Q, (d, d), psd=True))
-        self.register_buffer("C", _check_matrix("C", C, (dy, d)))
-        self.register_buffer("R", _check_matrix("R", R, (dy, dy), psd=True))
-        init_mean = torch.as_tensor(init_mean, dtype=A.dtype)
+        self.register_buffer("Q", _check_matrix("Q", Q, (d, d), psd=True, like=A))
+        self.register_buffer("C", _check_matrix("C", C, (dy, d), like=A))
+        if isinstance(R, Tensor) and R.dim() == 2 and R.shape[0] == R.shape[1] != dy:
+            # C and R disagree on the observation size; either may be the wrong one.
+            raise ValueError(f"R has shape {tuple(R.shape)} but C has {dy} rows: the observation size must agree (R ({dy}, {dy}) for this C)")
+        self.register_buffer("R", _check_matrix("R", R, (dy, dy), psd=True, like=A))
+        if isinstance(init_mean, Tensor) and (init_mean.dtype != A.dtype or init_mean.device != A.device):
+            raise ValueError(f"init_mean has dtype {init_mean.dtype} on {init_mean.device}, but A {A.dtype} on {A.device}: give the model one dtype and device")
+        init_mean = torch.as_tensor(init_mean, dtype=A.dtype, device=A.device)
         if tuple(init_mean.shape) != (d,):
             raise ValueError(f"init_mean must have shape ({d},), got {tuple(init_mean.shape)}")
         self.register_buffer("init_mean", init_mean)
-        self.register_buffer("init_cov", _check_matrix("init_cov", init_cov, (d, d), psd=True))
+        if not bool(torch.isfinite(init_mean).all()):
+            raise ValueError("init_mean has non-finite entries")
+        self.register_buffer("init_cov", _check_matrix("init_cov", init_cov, (d, d), psd=True, like=A))
         self._t = 0
 
     @property

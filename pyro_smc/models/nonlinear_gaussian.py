@@ -3,27 +3,37 @@ known functions or Gaussian processes.
 
 See ``docs/math/ep.md#model``.
 
-``x_0 ~ N(init_mean, init_cov)``, ``x_{t+1} = f(x_t, t) + w_t``, ``w_t ~ N(0, Q)``,
-``y_t = g(x_t, t) + v_t``, ``v_t ~ N(0, R)``, with ``t`` the 0-based time index (``f(x, t)`` maps
-the state at ``t`` to the mean at ``t + 1``). ``f`` and ``g`` are callables ``f(x)`` or
-``f(x, t)``, batched over the leading dims of ``x``, or :class:`pyro_smc.gp.MultiOutputGP`
-posteriors, whose predictive variance is added to the noise covariance.
+``x_0 ~ N(init_mean, init_cov)``, ``x_{t+1} = f(x_t) + w_t``, ``w_t ~ N(0, Q)``,
+``y_t = g(x_t) + v_t``, ``v_t ~ N(0, R)``. ``f`` and ``g`` are callables batched over the leading
+dims of ``x``, or :class:`pyro_smc.gp.MultiOutputGP` posteriors, whose predictive variance is added
+to the noise covariance.
+
+Time dependence is explicit. A callable is called ``f(x)``, whatever its signature (so
+``def f(x, forcing=8.0)`` and ``lambda x, F=F: ...`` keep their defaults); a map that takes the
+0-based time index is marked with :func:`time_dependent` and is then called ``f(x, t)``, with
+``f(x, t)`` mapping the state at ``t`` to the mean at ``t + 1``. An unmarked callable whose
+second positional parameter has no default is refused when the model is built: it would fail when
+called ``f(x)``, and the likely fix is the mark.
 
 The same object is a Pyro model in the ``init``/``step`` protocol (so :class:`pyro_smc.SMC` can
 filter it: the cross-check of every Gaussian smoother) and the input of
 :class:`pyro_smc.EPSmoother` and the Gaussian filters and smoothers: it satisfies
-:class:`~pyro_smc.models.protocol.GaussianStateSpaceModel`. Whether a callable takes ``t`` is
-decided once, here; ``transition_fn``/``observation_fn`` always take it.
+:class:`~pyro_smc.models.protocol.GaussianStateSpaceModel`, whose ``transition_fn``/``observation_fn``
+always take ``t`` (an unmarked map is adapted once, here).
 
 Example:
     >>> import torch
-    >>> from pyro_smc.models import NonlinearGaussianSSM
+    >>> from pyro_smc.models import NonlinearGaussianSSM, time_dependent
     >>> one = torch.ones(1, 1)
     >>> ssm = NonlinearGaussianSSM(lambda x: torch.sin(x), 0.1 * one, lambda x: x**2 / 20, one,
     ...                            torch.zeros(1), one)
     >>> xs, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(0))
     >>> xs.shape, ys.shape
     (torch.Size([20, 1]), torch.Size([20, 1]))
+    >>> forced = NonlinearGaussianSSM(time_dependent(lambda x, t: 0.5 * x + t), 0.1 * one,
+    ...                               lambda x: x, one, torch.zeros(1), one)
+    >>> forced.transition_fn(torch.ones(1), 3)                       # 0.5 * 1 + 3
+    tensor([3.5000])
 """
 
 from __future__ import annotations
@@ -39,7 +49,55 @@ from torch import Tensor
 
 from pyro_smc.ops.gaussian import check_psd
 
-__all__ = ["NonlinearGaussianSSM"]
+__all__ = ["NonlinearGaussianSSM", "time_dependent"]
+
+_MARK = "time_dependent"
+
+
+def time_dependent(fn: Callable) -> Callable:
+    """Marks ``fn`` as a map ``fn(x, t)`` of the state and the 0-based time index, for
+    :class:`NonlinearGaussianSSM` (which calls an unmarked map ``fn(x)``).
+
+    Sets the attribute ``time_dependent = True`` on ``fn`` and returns ``fn`` itself, so it works
+    on functions, lambdas and ``nn.Module`` instances, and as a decorator (of a function, of a
+    module's ``forward`` or of a module class).
+
+    Args:
+        fn: the callable ``fn(x, t)``, ``x`` of shape ``(..., d)``.
+
+    Returns:
+        ``fn``, marked.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or cannot carry an attribute (a builtin such as
+            ``torch.sin``, a bound method): wrap it, ``time_dependent(lambda x, t: fn(x, t))``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.models import time_dependent
+        >>> @time_dependent
+        ... def forcing(x, t):
+        ...     return 0.9 * x + torch.cos(torch.tensor(1.2 * t))
+        >>> forcing.time_dependent
+        True
+    """
+    if not callable(fn):
+        raise TypeError(f"time_dependent takes a callable fn(x, t), got {type(fn).__name__}")
+    try:
+        setattr(fn, _MARK, True)
+    except (AttributeError, TypeError):
+        raise TypeError(
+            f"time_dependent cannot mark {fn!r}: it cannot carry an attribute (a builtin or a bound method); "
+            "wrap it instead, time_dependent(lambda x, t: fn(x, t))"
+        ) from None
+    return fn
+
+
+def is_time_dependent(fn: object) -> bool:
+    """Whether ``fn`` is marked by :func:`time_dependent` (a module also through its ``forward``)."""
+    if getattr(fn, _MARK, False) is True:
+        return True
+    return isinstance(fn, torch.nn.Module) and getattr(type(fn).forward, _MARK, False) is True
 
 
 def is_gp(fn: object) -> bool:
@@ -61,44 +119,71 @@ def _ignore_time(fn: Callable) -> Callable[[Tensor, int], Tensor]:
     return without_time
 
 
-def _takes_time(fn: Callable) -> bool:
+def _positional(fn: Callable) -> list[inspect.Parameter] | None:
+    """The positional parameters of ``fn`` (a module's ``forward``), or ``None`` when it has
+    ``*args`` or no signature (a builtin), so nothing can be said."""
     if isinstance(fn, torch.nn.Module):  # its __call__ is (*args, **kwargs); forward says what it takes
         fn = fn.forward
     try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature take x only
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _check_time_argument(name: str, fn: Callable) -> bool:
+    """Whether the map ``name`` is called ``fn(x, t)``; raises on a signature that contradicts it."""
+    if is_gp(fn):
+        if is_time_dependent(fn):
+            raise ValueError(f"{name} is a GP posterior marked time_dependent; a GP map takes the state only")
         return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    if not callable(fn):
+        raise ValueError(f"{name} must be a callable or a MultiOutputGP, got {type(fn).__name__}")
+    positional = _positional(fn)
+    if is_time_dependent(fn):
+        if positional is not None and len(positional) < 2:
+            raise ValueError(f"{name} is marked time_dependent, so it is called {name}(x, t), but it takes a single positional parameter")
+        return True
+    if positional is not None and len(positional) >= 2 and positional[1].default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{name} has a second required positional parameter {positional[1].name!r}, but an unmarked map is called "
+            f"{name}(x): if {positional[1].name!r} is the time index, mark the map with "
+            "pyro_smc.models.time_dependent(...) to have it called (x, t); otherwise give the parameter a default"
+        )
+    return False
 
 
 class NonlinearGaussianSSM(PyroModule):
     """Nonlinear Gaussian state-space model.
 
     Args:
-        transition: ``f(x)`` or ``f(x, t)`` mapping ``(..., d)`` to ``(..., d)``, or a
-            ``MultiOutputGP`` with ``d`` inputs and ``d`` outputs.
+        transition: ``f(x)`` (or, marked with :func:`time_dependent`, ``f(x, t)``) mapping
+            ``(..., d)`` to ``(..., d)``, or a ``MultiOutputGP`` with ``d`` inputs and ``d`` outputs.
         transition_cov: ``Q``, ``(d, d)`` positive definite.
-        observation: ``g(x)`` or ``g(x, t)`` mapping ``(..., d)`` to ``(..., e)``, or a
+        observation: ``g(x)`` (or, marked, ``g(x, t)``) mapping ``(..., d)`` to ``(..., e)``, or a
             ``MultiOutputGP`` with ``d`` inputs and ``e`` outputs.
         observation_cov: ``R``, ``(e, e)`` positive definite.
-        init_mean: ``(d,)``.
+        init_mean: ``(d,)``; its dtype and device are the model's.
         init_cov: ``(d, d)`` positive definite.
 
     Raises:
-        ValueError: a covariance of the wrong shape or not positive definite, or a map whose
-            output at ``init_mean`` does not have shape ``(d,)`` (transition) or ``(e,)``
-            (observation).
+        ValueError: a covariance of the wrong shape, dtype or device, or not positive definite; an
+            unmarked callable whose second positional parameter has no default (mark it with
+            :func:`time_dependent` if that is the time index); a marked one that cannot take
+            ``t``; or a map whose output at ``init_mean`` does not have shape ``(d,)``
+            (transition) or the size of ``observation_cov`` (observation), or the model's dtype.
 
     Example:
         A time-varying observation ``g(x, t)`` beside a time-free transition ``f(x)``:
 
         >>> import torch
-        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> from pyro_smc.models import NonlinearGaussianSSM, time_dependent
         >>> from pyro_smc.models.protocol import GaussianStateSpaceModel
         >>> eye = torch.eye(2)
-        >>> ssm = NonlinearGaussianSSM(torch.tanh, 0.1 * eye, lambda x, t: x[..., :1] * t, torch.eye(1),
-        ...                            torch.zeros(2), eye)
+        >>> sensor = time_dependent(lambda x, t: x[..., :1] * t)
+        >>> ssm = NonlinearGaussianSSM(torch.tanh, 0.1 * eye, sensor, torch.eye(1), torch.zeros(2), eye)
         >>> ssm.state_dim, ssm.obs_dim, isinstance(ssm, GaussianStateSpaceModel)
         (2, 1, True)
         >>> ssm.observation_fn(torch.ones(4, 2), 3).shape               # (..., d) -> (..., e)
@@ -121,29 +206,51 @@ class NonlinearGaussianSSM(PyroModule):
         init_mean = torch.as_tensor(init_mean, dtype=torch.get_default_dtype()) if not isinstance(init_mean, Tensor) else init_mean
         if init_mean.dim() != 1:
             raise ValueError(f"init_mean must have shape (d,), got {tuple(init_mean.shape)}")
+        if not init_mean.is_floating_point():
+            raise ValueError(f"init_mean must be a floating-point tensor (it sets the model's dtype), got {init_mean.dtype}")
+        if not bool(torch.isfinite(init_mean).all()):
+            raise ValueError("init_mean has non-finite entries")
         d = init_mean.shape[0]
-        for name, value, size in (("transition_cov", transition_cov, d), ("init_cov", init_cov, d)):
-            if tuple(value.shape) != (size, size):
-                raise ValueError(f"{name} must have shape ({size}, {size}), got {tuple(value.shape)}")
+        covs = {}
+        for name, value in (("transition_cov", transition_cov), ("observation_cov", observation_cov), ("init_cov", init_cov)):
+            value = torch.as_tensor(value, dtype=init_mean.dtype, device=init_mean.device) if not isinstance(value, Tensor) else value
+            if value.dtype != init_mean.dtype or value.device != init_mean.device:
+                raise ValueError(
+                    f"{name} has dtype {value.dtype} on {value.device}, but the model's (init_mean's) is {init_mean.dtype} on "
+                    f"{init_mean.device}: give every tensor of the model one dtype and device (e.g. {name}.to(init_mean))"
+                )
+            covs[name] = value
+        for name, size in (("transition_cov", d), ("init_cov", d)):
+            if tuple(covs[name].shape) != (size, size):
+                raise ValueError(f"{name} must have shape ({size}, {size}) (init_mean has {size} entries), got {tuple(covs[name].shape)}")
+        if covs["observation_cov"].dim() != 2:
+            raise ValueError(f"observation_cov must have shape (e, e), got {tuple(covs['observation_cov'].shape)}")
+        for name, value in covs.items():
             check_psd(name, value)
-        if observation_cov.dim() != 2:
-            raise ValueError(f"observation_cov must have shape (e, e), got {tuple(observation_cov.shape)}")
-        check_psd("observation_cov", observation_cov)
         self.transition = transition
         self.observation = observation
-        self.register_buffer("transition_cov", transition_cov)
-        self.register_buffer("observation_cov", observation_cov)
+        for name, value in covs.items():
+            self.register_buffer(name, value)
         self.register_buffer("init_mean", init_mean)
-        self.register_buffer("init_cov", init_cov)
-        self.transition_takes_time = not is_gp(transition) and _takes_time(transition)
-        self.observation_takes_time = not is_gp(observation) and _takes_time(observation)
+        self.transition_takes_time = _check_time_argument("transition", transition)
+        self.observation_takes_time = _check_time_argument("observation", observation)
+        e = covs["observation_cov"].shape[0]
         with torch.no_grad():
-            for name, (mean, _), size in (
-                ("transition", self.transition_mean_var(init_mean, 0), d),
-                ("observation", self.observation_mean_var(init_mean, 0), observation_cov.shape[0]),
-            ):
+            for name, evaluate, size in (("transition", self.transition_mean_var, d), ("observation", self.observation_mean_var, e)):
+                mean, _ = evaluate(init_mean, 0)
+                if not isinstance(mean, Tensor):
+                    raise ValueError(f"{name} must return a tensor, got {type(mean).__name__}")
+                if name == "observation" and tuple(mean.shape) != (e,) and mean.dim() == 1:
+                    # The map and observation_cov disagree on e; either may be the wrong one.
+                    raise ValueError(
+                        f"observation maps a state of shape ({d},) to shape {tuple(mean.shape)}, but observation_cov is "
+                        f"{tuple(covs['observation_cov'].shape)}: the observation size e must agree (observation_cov ({mean.shape[0]}, "
+                        f"{mean.shape[0]}) for this map)"
+                    )
                 if tuple(mean.shape) != (size,):
                     raise ValueError(f"{name} must map a state of shape ({d},) to shape ({size},), got {tuple(mean.shape)}")
+                if mean.dtype != init_mean.dtype:
+                    raise ValueError(f"{name} returns {mean.dtype} for a state of the model's dtype {init_mean.dtype}; it must keep the dtype")
         self._t = 0
 
     @property
@@ -156,12 +263,14 @@ class NonlinearGaussianSSM(PyroModule):
 
     @property
     def transition_fn(self):
-        """``f(x, t)`` (time always passed) or the transition GP; what the projections take."""
+        """``f(x, t)`` (time always passed; an unmarked map ignores it) or the transition GP; what
+        the projections take."""
         return self.transition if is_gp(self.transition) or self.transition_takes_time else _ignore_time(self.transition)
 
     @property
     def observation_fn(self):
-        """``g(x, t)`` (time always passed) or the observation GP; what the projections take."""
+        """``g(x, t)`` (time always passed; an unmarked map ignores it) or the observation GP; what
+        the projections take."""
         return self.observation if is_gp(self.observation) or self.observation_takes_time else _ignore_time(self.observation)
 
     @staticmethod

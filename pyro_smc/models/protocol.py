@@ -12,10 +12,10 @@ engines (:class:`~pyro_smc.EPSmoother` and the Gaussian filters and smoothers) r
 
 ``transition_fn``/``observation_fn`` are what the projections
 (:mod:`pyro_smc.infer.projections`) take: either a callable ``fn(x, t)`` batched over the
-leading dims of ``x`` (time is always passed; ``NonlinearGaussianSSM`` adapts an ``f(x)``
-callable once, when it is built), or a GP posterior with exact moments (``predict``,
-``predict_moments``, ``linearize``, as :class:`pyro_smc.gp.MultiOutputGP`), whose predictive
-variance adds to the noise. ``transition_mean_var(x, t)``/``observation_mean_var(x, t)`` evaluate
+leading dims of ``x`` (time is always passed; ``NonlinearGaussianSSM`` adapts a map not marked
+:func:`~pyro_smc.models.time_dependent` once, when it is built, to ignore it), or a GP
+posterior with exact moments (``predict``, ``predict_moments``, ``linearize``, as
+:class:`pyro_smc.gp.MultiOutputGP`), whose predictive variance adds to the noise. ``transition_mean_var(x, t)``/``observation_mean_var(x, t)`` evaluate
 the same maps pointwise as ``(mean, variance or None)``. Both protocols are
 ``runtime_checkable``: ``isinstance(model, GaussianStateSpaceModel)`` checks the members exist.
 
@@ -109,7 +109,7 @@ class GaussianStateSpaceModel(StateSpaceModel, Protocol):
 
     A callable that ignores ``t`` may say so with an attribute ``time_invariant = True``; the
     parallel EP schedule then evaluates it at every time step in one call instead of one call per
-    step (``NonlinearGaussianSSM`` marks its maps without a time argument).
+    step (``NonlinearGaussianSSM`` marks so each map not marked ``time_dependent``).
 
     Example:
         A linear-Gaussian model is one; a chaotic RNN with Student-t observations is not:
@@ -153,16 +153,17 @@ def check_observations(observations: Tensor | Sequence[Tensor | None], obs_dim: 
 
     Args:
         observations: ``(T, e)`` (or ``(T,)`` when ``e = 1``) with NaN for missing entries, or a
-            sequence of ``T`` tensors ``(e,)`` or ``None``.
+            sequence of ``T`` tensors ``(e,)`` or ``None``; ``T >= 1``.
         obs_dim: ``e``.
-        like: for a sequence, the tensor whose dtype and device its missing steps take when it
-            holds no tensor at all (otherwise they take the first tensor's).
+        like: a tensor of the model (its ``init_mean``): the observations must have its dtype and
+            device, and a sequence's missing steps take them (otherwise the first tensor's).
 
     Returns:
         ``(observations (T, e), observed (T, e) bool)``.
 
     Raises:
-        ValueError: wrong type or shape, or an ``inf`` (naming the first time step with one).
+        ValueError: wrong type or shape, no time step, a dtype or device other than ``like``'s, or
+            an ``inf`` (naming the first time step with one).
     """
     if not isinstance(observations, Tensor):
         if not isinstance(observations, Sequence):
@@ -178,11 +179,20 @@ def check_observations(observations: Tensor | Sequence[Tensor | None], obs_dim: 
             rows.append(missing if y is None else y.reshape(-1))
             if rows[-1].shape != missing.shape:
                 raise ValueError(f"observations[{t}] must have shape ({obs_dim},), got {tuple(y.shape)}")
+            if rows[-1].dtype != missing.dtype:
+                raise ValueError(f"observations[{t}] has dtype {rows[-1].dtype}, the others {missing.dtype}: give every step one dtype")
         observations = torch.stack(rows) if rows else missing.new_zeros(0, obs_dim)
     if observations.dim() == 1 and obs_dim == 1:
         observations = observations.unsqueeze(-1)
     if observations.dim() != 2 or observations.shape[-1] != obs_dim:
         raise ValueError(f"observations must have shape (T, {obs_dim}), got {tuple(observations.shape)}")
+    if observations.shape[0] == 0:
+        raise ValueError(f"observations must have at least one time step, got shape {tuple(observations.shape)}")
+    if like is not None and (observations.dtype != like.dtype or observations.device != like.device):
+        raise ValueError(
+            f"observations have dtype {observations.dtype} on {observations.device}, but the model's tensors are {like.dtype} on "
+            f"{like.device}: convert the data, observations.to({like.dtype}) (or .to(ssm.init_mean) for dtype and device), or build the model in {observations.dtype}"
+        )
     bad = torch.isinf(observations).any(-1)
     if bool(bad.any()):
         raise ValueError(f"observations contain inf at time step {int(bad.nonzero()[0, 0])} (use NaN for a missing measurement)")

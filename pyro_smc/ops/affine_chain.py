@@ -57,7 +57,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from pyro_smc.ops.gaussian import symmetrize
+from pyro_smc.ops.gaussian import NotPositiveDefiniteError, symmetrize
 from pyro_smc.ops.kalman import mask_missing, masked_update, predict, smooth_step, update
 
 __all__ = ["AffineChainResult", "affine_chain_smoother", "associative_scan"]
@@ -219,13 +219,22 @@ def _sequential(m0: Tensor, P0: Tensor, F: Tensor, c: Tensor, Q: Tensor, H: Tens
             m, P = predict(m, P, F[t - 1], Q[t - 1])
             m = m + c[t - 1]
         pred = (m, P)
-        m, P, ll = masked_update(m, P, r[t], H[t], R[t], observed[t])
+        try:
+            m, P, ll = masked_update(m, P, r[t], H[t], R[t], observed[t])
+        except torch.linalg.LinAlgError as error:
+            raise NotPositiveDefiniteError(
+                f"affine_chain_smoother: at time step {t} the innovation covariance H P H^T + R is not positive definite "
+                f"(R[{t}] is not, or the predicted covariance lost its definiteness to rounding: run in float64)"
+            ) from error
         for lst, v in zip(out, (*pred, m, P, ll)):
             lst.append(v)
     pm, pP, fm, fP, ll = (torch.stack(v) for v in out)
     means, covs = [fm[-1]], [fP[-1]]
     for t in range(r.shape[0] - 2, -1, -1):
-        m, P = smooth_step(fm[t], fP[t], pm[t + 1], pP[t + 1], means[-1], covs[-1], F[t])
+        try:
+            m, P = smooth_step(fm[t], fP[t], pm[t + 1], pP[t + 1], means[-1], covs[-1], F[t])
+        except torch.linalg.LinAlgError as error:
+            raise NotPositiveDefiniteError(f"affine_chain_smoother: the predicted covariance of time step {t + 1} is singular (Q[{t}] is)") from error
         means.append(m)
         covs.append(P)
     return AffineChainResult(pm, pP, fm, fP, torch.stack(means[::-1]), torch.stack(covs[::-1]), ll)
@@ -266,7 +275,10 @@ def affine_chain_smoother(
         :class:`AffineChainResult`, on the dtype and device of the inputs, differentiable in each.
 
     Raises:
-        ValueError: naming the argument whose shape (or dtype, for ``observed``) is wrong.
+        ValueError: naming the argument whose shape (or dtype, for ``observed``) is wrong; or
+            (``NotPositiveDefiniteError``) naming the time step whose innovation or predicted
+            covariance is not positive definite. Where only the parallel scans fail (rounding),
+            the sequential loop gives the answer.
 
     Example:
         >>> one = torch.ones(1, 1, 1)
@@ -294,7 +306,13 @@ def affine_chain_smoother(
         if observed.dtype != torch.bool:
             raise ValueError(f"observed must be a bool tensor, got {observed.dtype}")
     if parallel:
-        return _parallel(init_mean, init_cov, F, c, Q, H, r, R, observed)
+        try:
+            return _parallel(init_mean, init_cov, F, c, Q, H, r, R, observed)
+        except torch.linalg.LinAlgError:
+            # The scans' products round differently from the recursion (in float32 a tiny
+            # covariance may come out indefinite): the loop is the same answer, computed stably,
+            # and where it fails too it names the time step.
+            pass
     if observed is None:
         observed = torch.ones(T, e, dtype=torch.bool, device=r.device)
     return _sequential(init_mean, init_cov, F, c, Q, H, r, R, observed)

@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "NotPositiveDefiniteError",
+    "check_finite_steps",
     "check_psd",
     "damp",
     "divide",
@@ -52,11 +54,67 @@ def symmetrize(m: Tensor) -> Tensor:
     return (m + m.transpose(-1, -2)) / 2
 
 
+class NotPositiveDefiniteError(ValueError):
+    """A matrix that must be positive definite is not (its Cholesky factorisation failed): what
+    :func:`to_natural` and :func:`to_moment` raise, so that an engine can catch exactly this and
+    say at which step and in which update it happened.
+
+    Example:
+        >>> try:
+        ...     to_natural(torch.zeros(1), -torch.eye(1))
+        ... except NotPositiveDefiniteError as error:
+        ...     print(error)
+        cov must be positive definite (Cholesky failed)
+    """
+
+
 def _cholesky(name: str, matrix: Tensor) -> Tensor:
     chol, info = torch.linalg.cholesky_ex(matrix)
     if bool((info != 0).any()):
-        raise ValueError(f"{name} must be positive definite (Cholesky failed)")
+        finite = bool(torch.isfinite(matrix).all())
+        raise NotPositiveDefiniteError(f"{name} must be positive definite (Cholesky failed{'' if finite else '; it has non-finite entries'})")
     return chol
+
+
+def check_finite_steps(where: str, quantities: dict[str, Tensor], hint: str = "") -> None:
+    """Raises ``ValueError`` naming the first time step at which a quantity is not finite.
+
+    One host synchronisation when everything is finite; locating the step costs more, but only on
+    the way to the error.
+
+    Args:
+        where: the engine, the start of the message.
+        quantities: ``{name: (T, ...)}`` tensors indexed by time step along dim 0.
+        hint: what to check, appended to the message.
+
+    Returns:
+        ``None``.
+
+    Raises:
+        ValueError: ``"{where}: the {name} at time step {t} is not finite (NaN|inf); {hint}"``, for
+            the earliest such step (every quantity bad there is named).
+
+    Example:
+        >>> means = torch.tensor([[0.0], [1.0], [float("nan")]])
+        >>> check_finite_steps("filter", {"means": means[:2]})
+        >>> check_finite_steps("filter", {"means": means, "covariances": torch.ones(3, 1, 1)}, "check the model")
+        Traceback (most recent call last):
+            ...
+        ValueError: filter: the means at time step 2 is not finite (NaN); check the model
+    """
+    values = [q for q in quantities.values() if q.numel()]
+    if not values or bool(torch.stack([torch.isfinite(q).all() for q in values]).all()):
+        return
+    first = {}
+    for name, q in quantities.items():
+        bad = ~torch.isfinite(q.detach()).reshape(q.shape[0], -1).all(-1)
+        if bool(bad.any()):
+            first[name] = int(bad.nonzero()[0, 0])
+    t = min(first.values())
+    names = [name for name, step in first.items() if step == t]
+    kind = "NaN" if any(bool(torch.isnan(quantities[name][t]).any()) for name in names) else "inf"
+    verb = "is" if len(names) == 1 else "are"
+    raise ValueError(f"{where}: the {' and the '.join(names)} at time step {t} {verb} not finite ({kind})" + (f"; {hint}" if hint else ""))
 
 
 def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:

@@ -29,9 +29,16 @@ import torch
 from torch import Tensor
 
 # The result types live with the other engines' results; re-exported here, where they began.
+from pyro_smc.ops.gaussian import check_finite_steps
 from pyro_smc.ops.results import FilterResult, SmootherResult
 
 __all__ = ["FilterResult", "SmootherResult", "predict", "update", "mask_missing", "masked_update", "smooth_step", "kalman_filter", "rts_smoother"]
+
+# Why a Kalman filter's moments stop being finite with finite inputs: float32 overflows first.
+_OVERFLOW = (
+    "the model's matrices are finite, so the recursion overflowed: an unstable A (spectral radius > 1) over many steps, "
+    "or covariances at extreme scales; rescale the model or run in float64"
+)
 
 
 def _mv(matrix: Tensor, vector: Tensor) -> Tensor:
@@ -225,7 +232,10 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
         predictions of the same shapes and ``log_evidence_increments (T, *batch)``.
 
     Raises:
-        ValueError: if ``ys`` contains ``inf``.
+        ValueError: ``ys`` with no time step, an ``inf`` or another dtype or device than the
+            model's; a model tensor with non-finite entries or another dtype; a factorisation that
+            fails or a moment that is not finite (naming the time step: float32 overflows on an
+            unstable model).
 
     Example:
         >>> one = torch.tensor([[1.0]])
@@ -234,22 +244,55 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
         >>> out.means.tolist(), bool(torch.isclose(out.log_evidence, exact))
         ([[1.0]], True)
     """
+    _check_inputs(ys, A=A, Q=Q, C=C, R=R, init_mean=init_mean, init_cov=init_cov)
     observed = check_ys(ys)
     means, covs, pmeans, pcovs, lls = [], [], [], [], []
     m, P = init_mean, init_cov
     for t in range(ys.shape[0]):
-        if t > 0:
-            m, P = predict(m, P, A, Q)
-        pmeans.append(m)
-        pcovs.append(P)
-        if observed is None:
-            m, P, ll = update(m, P, ys[t], C, R)
-        else:
-            m, P, ll = masked_update(m, P, ys[t], C, R, observed[t])
+        try:
+            if t > 0:
+                m, P = predict(m, P, A, Q)
+            pmeans.append(m)
+            pcovs.append(P)
+            if observed is None:
+                m, P, ll = update(m, P, ys[t], C, R)
+            else:
+                m, P, ll = masked_update(m, P, ys[t], C, R, observed[t])
+        except torch.linalg.LinAlgError as error:
+            check_finite_steps("kalman_filter", {"predicted mean": torch.stack(pmeans), "predicted covariance": torch.stack(pcovs)}, _OVERFLOW)
+            raise ValueError(
+                f"kalman_filter: at time step {t} the innovation covariance C P C^T + R is not positive definite (R is not, "
+                "or P has lost its positive definiteness to rounding); rescale the model or run in float64"
+            ) from error
         means.append(m)
         covs.append(P)
         lls.append(ll)
-    return FilterResult(torch.stack(means), torch.stack(covs), torch.stack(pmeans), torch.stack(pcovs), torch.stack(lls))
+    out = FilterResult(torch.stack(means), torch.stack(covs), torch.stack(pmeans), torch.stack(pcovs), torch.stack(lls))
+    check_finite_steps(
+        "kalman_filter",
+        {"predicted mean": out.predicted_means, "predicted covariance": out.predicted_covariances, "filtering mean": out.means,
+         "filtering covariance": out.covariances, "log-evidence increment": out.log_evidence_increments},
+        _OVERFLOW,
+    )
+    return out
+
+
+def _check_inputs(ys: Tensor, **model: Tensor) -> None:
+    """``ys`` ``(T, dy)`` with ``T >= 1`` in the model's dtype and device; the model's tensors finite."""
+    dy = model["C"].shape[-2]
+    if ys.dim() != 2 or ys.shape[-1] != dy:
+        raise ValueError(f"ys must have shape (T, {dy}) (the rows of C), got {tuple(ys.shape)}")
+    if ys.shape[0] == 0:
+        raise ValueError(f"ys must have at least one time step, got shape {tuple(ys.shape)}")
+    ref = model["A"]
+    for name, value in model.items():
+        if value.dtype != ref.dtype or value.device != ref.device:
+            raise ValueError(f"{name} has dtype {value.dtype} on {value.device}, A {ref.dtype} on {ref.device}: give the model one dtype and device")
+    if ys.dtype != ref.dtype or ys.device != ref.device:
+        raise ValueError(f"ys has dtype {ys.dtype} on {ys.device}, but the model {ref.dtype} on {ref.device}: convert it, ys.to(A)")
+    finite = torch.stack([torch.isfinite(value).all() for value in model.values()])
+    if not bool(finite.all()):
+        raise ValueError(f"{list(model)[int((~finite).nonzero()[0, 0])]} has non-finite entries")
 
 
 def rts_smoother(filtered: FilterResult, A: Tensor) -> SmootherResult:
@@ -261,6 +304,10 @@ def rts_smoother(filtered: FilterResult, A: Tensor) -> SmootherResult:
 
     Returns:
         ``SmootherResult`` with ``means (T, *batch, d)`` and ``covariances (T, *batch, d, d)``.
+
+    Raises:
+        ValueError: a singular predicted covariance, or a smoothed moment that is not finite,
+            naming the time step.
 
     Example:
         >>> one = torch.tensor([[1.0]])
@@ -274,9 +321,17 @@ def rts_smoother(filtered: FilterResult, A: Tensor) -> SmootherResult:
     m, P = filtered.means[-1], filtered.covariances[-1]
     means, covs = [m], [P]
     for t in range(T - 2, -1, -1):
-        m, P = smooth_step(
-            filtered.means[t], filtered.covariances[t], filtered.predicted_means[t + 1], filtered.predicted_covariances[t + 1], m, P, A
-        )
+        try:
+            m, P = smooth_step(
+                filtered.means[t], filtered.covariances[t], filtered.predicted_means[t + 1], filtered.predicted_covariances[t + 1], m, P, A
+            )
+        except torch.linalg.LinAlgError as error:
+            raise ValueError(
+                f"rts_smoother: the predicted covariance of time step {t + 1} is singular, so the smoother gain at time step {t} "
+                "is undefined (a zero process noise Q with a singular A P A^T)"
+            ) from error
         means.append(m)
         covs.append(P)
-    return SmootherResult(torch.stack(means[::-1]), torch.stack(covs[::-1]), filtered.log_evidence)
+    out = SmootherResult(torch.stack(means[::-1]), torch.stack(covs[::-1]), filtered.log_evidence)
+    check_finite_steps("rts_smoother", {"smoothed mean": out.means, "smoothed covariance": out.covariances}, _OVERFLOW)
+    return out

@@ -15,7 +15,7 @@ from torch.distributions import constraints
 
 from pyro_smc import EPSmoother
 from pyro_smc.infer import fit_evidence
-from pyro_smc.models import NonlinearGaussianSSM
+from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM, time_dependent
 
 from .test_ep_smoother_gradients import _Drift, _directional_checks, _gp_model, _linear, _linear_parameters, _loss, _pendulum_model, _scalar_model
 
@@ -94,7 +94,7 @@ def test_time_dependent_maps_and_two_dimensional_partly_missing_observations():
     """Time-dependent maps are evaluated with each step's ``t`` in the batched projection, and a
     partly observed step uses its observed entries, as in the sequential schedule."""
     one, eye = torch.eye(1), torch.eye(2)
-    ssm = NonlinearGaussianSSM(lambda x, t: 0.7 * x + torch.sin(x + 0.3 * t), 0.4 * one,
+    ssm = NonlinearGaussianSSM(time_dependent(lambda x, t: 0.7 * x + torch.sin(x + 0.3 * t)), 0.4 * one,
                                lambda x: torch.cat([x, 0.5 * x**2], -1), 0.3 * eye, torch.zeros(1), one)
     ys = _data(ssm, 30, 3)
     ys[5] = float("nan")
@@ -195,6 +195,7 @@ def test_float32_parallel_agrees_with_float64():
     results = {}
     for dtype in (torch.float64, torch.float32):
         torch.set_default_dtype(dtype)
+        pyro.clear_param_store()  # or the float32 model takes the float64 one's g (a float64 map)
         try:
             ssm = _pendulum_model()
             ys = _data(ssm, 30, 1) if dtype == torch.float64 else results["ys"].float()
@@ -243,3 +244,42 @@ def test_gmres_differentiates_a_parallel_fixed_point_where_the_plain_adjoint_div
             assert used  # the plain adjoint iteration gave up
     for a, b in zip(grads["parallel"], grads["sequential"]):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a, b)
+
+
+def _float32_tiny_noise_model(d):
+    """Two float32 problems the EP property suite drew (tests/infer/test_ep_smoother_properties.py):
+    unit process noise, measurement noise and prior covariance of scale 1e-6 (printed to 4 digits)."""
+    f = torch.float32
+    if d == 3:
+        A = [[0.8580, 0.3463, 0.0800], [0.8061, -0.5863, -0.2155], [-1.9756, 0.4952, -1.3332]]
+        Q = [[5.4183, -0.6325, 1.4979], [-0.6325, 2.8134, -1.0410], [1.4979, -1.0410, 1.0457]]
+        C = [[-0.5631, -0.8923, -0.0583], [-0.1955, -0.9656, 0.4224], [0.2673, -0.4212, -0.5107]]
+        R = [[2.8128e-06, -7.2744e-07, -1.7754e-06], [-7.2744e-07, 6.7694e-07, 7.8836e-07], [-1.7754e-06, 7.8836e-07, 2.1301e-06]]
+        m0 = [0.0005, 0.0003, -0.0008]
+        P0 = [[7.6555e-07, -1.4268e-07, -6.4859e-08], [-1.4268e-07, 5.0448e-07, -1.2349e-07], [-6.4859e-08, -1.2349e-07, 8.4744e-07]]
+        ys = [[-1.7432e-03, -2.1869e-03, 1.0876e-03], [1.2207e00, 1.5706e00, 2.4002e-01]]
+    else:
+        A, Q = [[0.0128, -0.4411], [-0.8013, -0.7824]], [[4.1061, 1.6509], [1.6509, 1.0521]]
+        C, R = [[0.4823, 0.2385], [-1.1375, -0.0022]], [[7.3772e-07, 3.0928e-07], [3.0928e-07, 5.3886e-07]]
+        m0, P0 = [-2.3610e-03, 5.5331e-05], [[1.6301e-06, -1.2564e-07], [-1.2564e-07, 3.7312e-07]]
+        ys = [[-0.0025, 0.0037], [0.6793, -1.1545]]
+    args = [torch.tensor(v, dtype=f) for v in (A, Q, C, R, m0, P0)]
+    return LinearGaussianSSM(*args), LinearGaussianSSM(*(a.double() for a in args)), torch.tensor(ys, dtype=f)
+
+
+def test_a_chain_marginal_that_rounds_indefinite_is_a_skipped_update():
+    # Before: ValueError "cov must be positive definite (Cholesky failed)" from iteration 2 (the
+    # smoothed covariance of the fitted chain, of scale 1e-6, rounded indefinite in float32).
+    lin, exact, ys = _float32_tiny_noise_model(3)
+    out = EPSmoother(lin, projection="unscented", schedule="parallel", max_iter=3).smooth(ys)
+    assert out.converged and sum(h.skipped for h in out.history) > 0  # the rounded update was skipped, and counted
+    rts = exact.rts_smoother(ys.double())
+    torch.testing.assert_close(out.means.double(), rts.means, rtol=0, atol=1e-5)  # float32 at a 1e6 conditioning
+    torch.testing.assert_close(out.covariances.double(), rts.covariances, rtol=0, atol=1e-5)
+
+
+def test_a_fitted_measurement_noise_that_cancels_to_rounding_is_an_error_naming_the_step():
+    # Before: torch._C._LinAlgError: linalg.cholesky: (Batch element 1): ... not positive-definite.
+    lin, _, ys = _float32_tiny_noise_model(2)
+    with pytest.raises(ValueError, match=r"parallel.*iteration 2.*measurement model fitted at time step 1 is not positive definite.*float64"):
+        EPSmoother(lin, projection="unscented", schedule="parallel", max_iter=3).smooth(ys)

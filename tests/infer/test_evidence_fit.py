@@ -11,7 +11,7 @@ from torch.distributions import constraints
 
 from pyro_smc import EPSmoother
 from pyro_smc.infer import fit_evidence
-from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM
+from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM, time_dependent
 
 
 class _AR1(PyroModule):
@@ -113,6 +113,7 @@ def test_loss_is_the_evidence_per_time_step_over_all_sequences():
 def _hard_model():
     one = torch.eye(1)
 
+    @time_dependent
     def f(x, t):
         return x / 2 + 25 * x / (1 + x**2) + 8 * torch.cos(torch.tensor(1.2 * (t + 1)))
 
@@ -161,3 +162,64 @@ def test_argument_errors():
     fixed = NonlinearGaussianSSM(lambda x: x, one, lambda x: x, one, torch.zeros(1), one)
     with pytest.raises(ValueError, match="no parameters"):
         fit_evidence(EPSmoother(fixed), ys)
+    # Before: ZeroDivisionError (no sequence) and IndexError (a sequence without time steps).
+    with pytest.raises(ValueError, match="observations is an empty list"):
+        fit_evidence(smoother, [])
+    with pytest.raises(ValueError, match="at optimiser step 0, sequence 1: observations must have at least one time step"):
+        fit_evidence(smoother, [ys, ys[:0]])
+
+
+# --- a fit never carries on with a non-finite evidence or gradient ------------------------------
+class _LogDrift(PyroModule):
+    """``x_{t+1} = a x_t + 0 log(1 - a)``: ``a x_t`` for ``a < 1``, NaN beyond."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.a = PyroParam(torch.tensor(a))
+
+    def forward(self, x):
+        return self.a * x + 0 * torch.log(1 - self.a)
+
+
+@pytest.mark.parametrize("seed", [0])  # checked on seeds 0-4
+def test_a_fit_that_steps_into_a_non_finite_evidence_stops_naming_the_step(seed):
+    # Data from an explosive a = 1.5: Adam's first step (about lr = 0.2, up) takes a from 0.9 to
+    # 1.1, where the map is NaN. Before: the next step raised a bare "cov must be positive definite
+    # (Cholesky failed)" (or the fit went on with NaN losses), no step named.
+    one = torch.eye(1)
+    truth = LinearGaussianSSM(1.5 * one, one, one, one, torch.zeros(1), one)
+    ys = truth.simulate(30, generator=torch.Generator().manual_seed(seed))[1]
+    ssm = NonlinearGaussianSSM(_LogDrift(0.9), one, lambda x: x, one, torch.zeros(1), one)
+    with pytest.raises(ValueError, match=r"fit_evidence: at optimiser step 1, sequence 0: EPSmoother.*time step 1\b.*(not finite|non-finite)"):
+        fit_evidence(EPSmoother(ssm, projection="unscented", max_iter=1), ys, num_steps=5, lr=0.2)
+    assert ssm.transition.a.item() > 1  # the step that moved it there was taken, the next refused
+
+
+class _SqrtDrift(PyroModule):
+    """``0.5 x + 0 sqrt(a)`` at ``a = 0``: a finite map whose gradient in ``a`` is NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = PyroParam(torch.tensor(0.0))
+
+    def forward(self, x):
+        return 0.5 * x + 0 * torch.sqrt(self.a)
+
+
+def test_a_non_finite_gradient_is_an_error_naming_the_parameter():
+    # Before: Adam took the NaN gradient, the parameter became NaN and the fit went on silently.
+    one = torch.eye(1)
+    ssm = NonlinearGaussianSSM(_SqrtDrift(), one, lambda x: x, one, torch.zeros(1), one)
+    with pytest.raises(ValueError, match=r"fit_evidence: at optimiser step 0 the gradient of the evidence is not finite .*transition\.a"):
+        fit_evidence(EPSmoother(ssm, max_iter=1), torch.zeros(5, 1), num_steps=3)
+    assert ssm.transition.a.item() == 0.0  # not stepped
+
+
+def test_a_non_converged_fit_warns_once_from_fit_evidence_not_at_every_step():
+    from pyro_smc.infer.ep_smoother import EPConvergenceWarning
+
+    ssm, ys = _hard_model()
+    with pytest.warns(RuntimeWarning) as caught:
+        fit_evidence(EPSmoother(ssm, projection="unscented", max_iter=2, tol=1e-12), ys, num_steps=2, lr=0.01, on_nonconvergence="unrolled")
+    assert not [w for w in caught if issubclass(w.category, EPConvergenceWarning)]
+    assert [str(w.message) for w in caught if w.category is RuntimeWarning] == ["fit_evidence: in 2 of 2 steps EP did not converge and the step followed the unrolled gradient of its sweeps"]

@@ -6,7 +6,7 @@ import torch
 from pyro_smc import EPSmoother
 from pyro_smc.infer import Linearization, MomentMatching, Projection, Unscented, gaussian_smoother
 from pyro_smc.infer.projections import as_projection, project
-from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM
+from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM, time_dependent
 from pyro_smc.models.nonlinear_gaussian import _ignore_time, is_time_invariant
 
 STRATEGIES = [Linearization(), Unscented(), Unscented(alpha=0.5, beta=2.0, kappa=1.0), MomentMatching()]
@@ -153,5 +153,5 @@ def test_time_invariant_maps_are_marked():
     one = torch.eye(1)
     lin = LinearGaussianSSM(one, one, one, one, torch.zeros(1), one)
     assert is_time_invariant(lin.transition_fn) and is_time_invariant(lin.observation_fn)
-    ssm = NonlinearGaussianSSM(lambda x: x, one, lambda x, t: x * t, one, torch.zeros(1), one)
+    ssm = NonlinearGaussianSSM(lambda x: x, one, time_dependent(lambda x, t: x * t), one, torch.zeros(1), one)
     assert is_time_invariant(ssm.transition_fn) and not is_time_invariant(ssm.observation_fn)

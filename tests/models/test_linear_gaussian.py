@@ -47,3 +47,42 @@ def test_ssm_models_reject_wrong_shapes():
         NonlinearGaussianSSM(lambda x: x, eye, lambda x: x, eye, torch.zeros(2, 1), eye)
     with pytest.raises(ValueError, match="observation_cov must have shape"):
         NonlinearGaussianSSM(lambda x: x, eye, lambda x: x, torch.ones(2), torch.zeros(2), eye)
+
+
+@pytest.mark.parametrize("name", ["Q", "C", "R", "init_cov"])
+def test_mixed_dtypes_are_an_error_naming_the_argument(name):
+    # Before: accepted; the Kalman filter then raised "expected m1 and m2 to have the same dtype".
+    eye = torch.eye(2, dtype=torch.float64)
+    kwargs = dict(A=0.5 * eye, Q=eye, C=eye, R=eye, init_mean=torch.zeros(2, dtype=torch.float64), init_cov=eye)
+    kwargs[name] = kwargs[name].float()
+    with pytest.raises(ValueError, match=rf"{name} has dtype torch.float32.*A.*torch.float64"):
+        LinearGaussianSSM(**kwargs)
+
+
+def test_the_oracle_names_ys_for_data_of_another_dtype():
+    # Before: RuntimeError: expected m1 and m2 to have the same dtype, but got: float != double.
+    eye = torch.eye(2, dtype=torch.float32)
+    lin = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2, dtype=torch.float32), eye)
+    for method in (lin.kalman_filter, lin.rts_smoother, lin.log_evidence):
+        with pytest.raises(ValueError, match=r"ys has dtype torch.float64.*\.to\("):
+            method(torch.zeros(3, 2, dtype=torch.float64))
+        with pytest.raises(ValueError, match="ys must have at least one time step"):
+            method(torch.zeros(0, 2, dtype=torch.float32))
+
+
+
+def test_init_mean_of_another_dtype_is_an_error_like_the_other_arguments():
+    # Found by tests/models/test_linear_gaussian_properties.py. Before: silently cast to A's dtype
+    # (float64 -> float32 loses digits) where every other tensor of another dtype was refused.
+    eye = torch.eye(2, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"init_mean has dtype torch.float64.*A torch.float32"):
+        LinearGaussianSSM(eye, eye, eye, eye, torch.zeros(2, dtype=torch.float64), eye)
+    assert LinearGaussianSSM(eye, eye, eye, eye, [0.0, 0.0], eye).init_mean.dtype == torch.float32  # a list takes A's
+
+
+def test_c_and_r_of_different_observation_sizes_name_both():
+    # Found by the property suite. Before: "R must have shape (2, 2), got (1, 1)" for a C with one
+    # row too many: R blamed for C's size.
+    eye = torch.eye(1)
+    with pytest.raises(ValueError, match=r"R has shape \(1, 1\) but C has 2 rows"):
+        LinearGaussianSSM(eye, eye, torch.ones(2, 1), eye, torch.zeros(1), eye)

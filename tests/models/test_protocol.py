@@ -6,7 +6,7 @@ import torch
 
 from pyro_smc import SMC, EPSmoother
 from pyro_smc.infer import gaussian_filter, gaussian_smoother
-from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, GaussianStateSpaceModel, LinearGaussianSSM, NonlinearGaussianSSM, StateSpaceModel
+from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, GaussianStateSpaceModel, LinearGaussianSSM, NonlinearGaussianSSM, StateSpaceModel, time_dependent
 from pyro_smc.models.protocol import check_observations
 from tests.cases import assert_same_marginals
 
@@ -25,7 +25,7 @@ def _diagonal():
 
 def _nonlinear():
     one = torch.ones(1, 1)
-    return NonlinearGaussianSSM(lambda x: torch.sin(x), 0.1 * one, lambda x, t: x**2 / 20 + t, one, torch.zeros(1), one)
+    return NonlinearGaussianSSM(lambda x: torch.sin(x), 0.1 * one, time_dependent(lambda x, t: x**2 / 20 + t), one, torch.zeros(1), one)
 
 
 MODELS = {
@@ -104,10 +104,15 @@ def test_diagonal_model_keeps_its_gradient_through_the_gaussian_engines():
 
 def test_check_observations_applies_the_missing_data_rule():
     like = torch.zeros(1, dtype=torch.float32)
-    ys, observed = check_observations([torch.tensor([1.0, float("nan")]), None], 2, like=like)
+    ys, observed = check_observations([torch.tensor([1.0, float("nan")]), None], 2)
     assert ys.dtype == torch.float64 and observed.tolist() == [[True, False], [False, False]]
     ys, observed = check_observations([None, None], 2, like=like)
     assert ys.dtype == torch.float32 and not observed.any()
+    # The model's dtype is the data's: float64 data for a float32 model is an error saying so.
+    with pytest.raises(ValueError, match=r"observations have dtype torch.float64.*torch.float32.*\.to\("):
+        check_observations([torch.tensor([1.0, float("nan")]), None], 2, like=like)
+    with pytest.raises(ValueError, match="at least one time step"):
+        check_observations([], 2, like=like)
     with pytest.raises(ValueError, match="time step 1"):
         check_observations(torch.tensor([[0.0], [float("inf")]]), 1)
     with pytest.raises(ValueError, match=r"observations\[1\]"):

@@ -180,3 +180,64 @@ def test_kalman_float32_at_T_1e4():
     # Per-step rounding errors of relative size 1e-7 add up over 10^4 terms of size ~1.
     assert abs(float(kf32.log_evidence_increments.double().sum() - kf64.log_evidence)) < 1e-7 * 10_000 * 10
     assert (kf32.means.double() - kf64.means).abs().max() < 1e-4
+
+
+# --- errors: a clear ValueError naming the argument or the time step, never a non-finite answer --
+F32 = torch.float32
+
+
+def test_no_time_steps_is_an_error_naming_ys():
+    # Before: RuntimeError: stack expects a non-empty TensorList.
+    A, Q, C, R, m0, P0, _ = _random_model(2, 2, 0)
+    with pytest.raises(ValueError, match="ys.*at least one time step"):
+        kalman_filter(torch.zeros(0, 2), A, Q, C, R, m0, P0)
+
+
+def test_ys_of_another_dtype_is_an_error_saying_how_to_fix_it():
+    # Before: RuntimeError: expected m1 and m2 to have the same dtype, but got: float != double.
+    A, Q, C, R, m0, P0, _ = (x.to(F32) if isinstance(x, torch.Tensor) else x for x in _random_model(2, 2, 0))
+    with pytest.raises(ValueError, match=r"ys has dtype torch.float64.*torch.float32.*\.to\("):
+        kalman_filter(torch.zeros(3, 2, dtype=torch.float64), A, Q, C, R, m0, P0)
+
+
+@pytest.mark.parametrize("name", ["A", "Q", "C", "R", "init_mean", "init_cov"])
+def test_non_finite_model_matrices_are_an_error_naming_them(name):
+    # Before: NaN means (A, C, init_mean) or a bare LinAlgError (the covariances).
+    args = dict(zip(["A", "Q", "C", "R", "init_mean", "init_cov"], _random_model(2, 2, 0)[:6]))
+    bad = args[name].flatten().clone()
+    bad[0] = float("nan")
+    args[name] = bad.reshape(args[name].shape)
+    with pytest.raises(ValueError, match=rf"{name} has non-finite entries"):
+        kalman_filter(torch.zeros(3, 2), **args)
+
+
+@pytest.mark.parametrize("observed", [True, False], ids=["observed", "missing"])
+def test_an_overflowing_float32_model_is_an_error_naming_the_step(observed):
+    # x_t = 1e3 x_{t-1} predicts a covariance 1e6 times the last: unobserved, it overflows float32
+    # (3.4e38) at step 7. Before: a bare LinAlgError (missing) or, observed, nothing is wrong.
+    one = torch.ones(1, 1, dtype=F32)
+    ys = torch.ones(12, 1, dtype=F32) if observed else torch.full((12, 1), float("nan"), dtype=F32)
+    if observed:
+        out = kalman_filter(ys, 1e3 * one, one, one, one, torch.zeros(1, dtype=F32), one)
+        assert torch.isfinite(out.covariances).all() and torch.isfinite(out.log_evidence)
+        return
+    with pytest.raises(ValueError, match=r"kalman_filter: .*time step 7\b.*not finite"):
+        kalman_filter(ys, 1e3 * one, one, one, one, torch.zeros(1, dtype=F32), one)
+
+
+def test_rts_smoother_names_the_step_of_a_singular_prediction():
+    # Q = 0 and A = 0: the prediction of x_1 is a point, its covariance singular, the gain undefined.
+    one, zero = torch.ones(1, 1), torch.zeros(1, 1)
+    filtered = kalman_filter(torch.zeros(3, 1), zero, zero, one, one, torch.zeros(1), one)
+    with pytest.raises(ValueError, match=r"rts_smoother: .*time step 1\b"):
+        rts_smoother(filtered, zero)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 1), (3,), (3, 3)])
+def test_ys_of_the_wrong_shape_is_an_error_naming_ys(shape):
+    # Found by tests/ops/test_kalman_properties.py. Before: RuntimeError "stack expects each tensor
+    # to be equal size" (or, for a scalar model, a wrong answer), IndexError, and RuntimeError "The
+    # size of tensor a (3) must match ..." from inside the update.
+    A, Q, C, R, m0, P0, _ = _random_model(2, 2, 0)
+    with pytest.raises(ValueError, match=r"ys must have shape \(T, 2\)"):
+        kalman_filter(torch.zeros(shape), A, Q, C, R, m0, P0)
