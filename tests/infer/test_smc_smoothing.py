@@ -88,19 +88,24 @@ def test_ffbs_with_each_resampler(resampler, slack):
     assert ((est - rts.means).abs() < MC_SIGMAS * se + slack).all()
 
 
+def _single_filter_runs(ssm, ys, num_runs, num_samples, seed, **kwargs):
+    """RTS means and ``(T, num_runs, d)`` per-run means of FFBS draws of single-filter runs."""
+    pyro.set_rng_seed(seed)
+    runs = []
+    for _ in range(num_runs):
+        smc = SMC(ssm, store_history=True, **kwargs).run(ys)
+        x = smc.smooth(num_samples)["x"]
+        assert x.shape == (num_samples, len(ys), 1, ssm.state_dim)
+        runs.append(x.mean(0))
+    return ssm.rts_smoother(ys).means, torch.cat(runs, 1)
+
+
 def test_ffbs_with_one_filter():
     """num_filters = 1 (state without a filter dim): 32 independent single-filter runs agree with RTS."""
     ssm = _lgssm(2)
     _, ys = ssm.simulate(T)
-    rts = ssm.rts_smoother(ys)
-    pyro.set_rng_seed(3)
-    runs = []
-    for _ in range(32):
-        smc = SMC(ssm, num_particles=300, store_history=True).run(ys)
-        x = smc.smooth(100)["x"]
-        assert x.shape == (100, T, 1, 2)
-        runs.append(x.mean(0))
-    z, _ = _z_scores(torch.cat(runs, 1), rts.means)
+    rts_means, per_run = _single_filter_runs(ssm, ys, 32, 100, seed=3, num_particles=300)
+    z, _ = _z_scores(per_run, rts_means)
     assert z.abs().max() < MC_SIGMAS
 
 
@@ -112,17 +117,9 @@ def test_ffbs_through_a_transport_with_one_filter(resampler):
     test_ffbs_with_each_resampler for both (the kernel's jitter h^2 = 0.0025 is smaller)."""
     ssm = _lgssm(1)
     _, ys = ssm.simulate(T)
-    rts = ssm.rts_smoother(ys)
-    pyro.set_rng_seed(4)
-    runs = []
-    for _ in range(32):
-        smc = SMC(ssm, num_particles=200, resampler=resampler, store_history=True).run(ys)
-        x = smc.smooth(50)["x"]
-        assert x.shape == (50, T, 1, 1)
-        runs.append(x.mean(0))
-    per_run = torch.cat(runs, 1)
+    rts_means, per_run = _single_filter_runs(ssm, ys, 32, 50, seed=4, num_particles=200, resampler=resampler)
     est, se = per_run.mean(1), per_run.std(1) / math.sqrt(per_run.shape[1])
-    assert ((est - rts.means).abs() < MC_SIGMAS * se + 0.05).all()
+    assert ((est - rts_means).abs() < MC_SIGMAS * se + 0.05).all()
 
 
 def test_ffbs_with_partial_resampling():
