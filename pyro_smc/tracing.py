@@ -48,6 +48,7 @@ from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
 __all__ = [
+    "check_observed_shapes",
     "detach_latent_draws",
     "is_latent",
     "is_scored",
@@ -114,6 +115,60 @@ def site_log_probs(trace: Trace, names: Iterator[str] | None = None) -> dict[str
             site["log_prob"] = scale_and_mask(log_p, site["scale"], site["mask"])
         out[name] = site["log_prob"]
     return out
+
+
+def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str) -> None:
+    """Every observed site sees each entry of its observation exactly once.
+
+    Pyro broadcasts an observed value against its distribution. Against the engine's own leading
+    dims (the particles, the filters, the online filter's Monte Carlo draws) that is how one
+    observation scores every particle. Anywhere else it is a silent wrong answer: a scalar
+    observation of a site with event shape ``(2,)`` (or of a model plate of size 2) scores the
+    same number twice, and a ``(2,)`` observation of a one-coordinate site scores two numbers for
+    one. So, with the site's shape ``batch + event`` written as ``leading + rest`` (``leading``
+    the engine's dims, right-aligned after them any model plates and the event), the value must be
+    ``rest`` exactly on its right-most ``len(rest)`` dims (size-1 dims of ``rest`` may be left out)
+    and broadcast against ``leading`` without enlarging it.
+
+    Args:
+        trace: one run of a step.
+        leading: the engine's batch dims left of the model's own (``()`` for none).
+        where: the step, for the message.
+
+    Raises:
+        ValueError: naming the step, the site and both shapes.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> from pyro import poutine
+        >>> def step(y):                                # validate_args=False: torch checks nothing
+        ...     fn = dist.Normal(torch.zeros(3, 2), 1.0, validate_args=False).to_event(1)
+        ...     pyro.sample("y", fn, obs=y)
+        >>> check_observed_shapes(poutine.trace(step).get_trace(torch.zeros(2)), (3,), "step 0")   # fits
+        >>> try:
+        ...     check_observed_shapes(poutine.trace(step).get_trace(torch.tensor(0.5)), (3,), "step 0")
+        ... except ValueError as error:
+        ...     print(str(error).split(":")[0])
+        the observation of site 'y' at step 0 has shape (), which does not fit the site (per sample (2,), leading (3,))
+    """
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or not site["is_observed"] or not isinstance(site["value"], Tensor):
+            continue
+        fn, shape = site["fn"], tuple(site["value"].shape)
+        full = tuple(fn.batch_shape) + tuple(fn.event_shape)
+        lead = leading if full[: len(leading)] == tuple(leading) else ()
+        rest = full[len(lead) :]
+        # Plain tuples, not torch.broadcast_shapes: this runs at every step of every engine.
+        own = shape[max(len(shape) - len(rest), 0) :]
+        padded = (1,) * (len(rest) - len(own)) + own
+        fits = len(shape) <= len(full) and all(v == r or (v == 1 and r == 1) for v, r in zip(padded, rest))
+        fits = fits and all(v == f or v == 1 for v, f in zip(reversed(shape[: len(shape) - len(own)]), reversed(lead)))
+        if not fits:
+            raise ValueError(
+                f"the observation of site '{name}' at {where} has shape {shape}, which does not fit the site (per sample "
+                f"{rest}, leading {tuple(lead)}): Pyro would broadcast it, scoring an entry more than once or one value for "
+                f"several; pass an observation of shape {rest}"
+            )
 
 
 @contextlib.contextmanager

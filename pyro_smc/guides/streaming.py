@@ -115,7 +115,7 @@ class StreamingFilterGuide(StreamingFamily):
         hidden_dims: tuple[int, ...] = (32,),
         init_scale: float = 0.1,
     ):
-        if num_steps is not None and (not isinstance(num_steps, int) or num_steps < 1):
+        if num_steps is not None and (not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1):
             raise ValueError(f"num_steps must be a positive int or None, got {num_steps!r}")
         num_kernels = 1 if num_steps is None else num_steps - 1
         super().__init__(state_dim, num_kernels=num_kernels, covariance=covariance, backward=backward, hidden_dims=hidden_dims, init_scale=init_scale)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from pyro_smc.ops.gaussian import tril_from_vector, tril_to_vector
 
-__all__ = ["BACKWARDS", "COVARIANCES", "GaussianKernel", "StreamingFamily", "gaussian", "marginal_covariance"]
+__all__ = ["BACKWARDS", "COVARIANCES", "GaussianKernel", "StepFrame", "StreamingFamily", "gaussian", "marginal_covariance"]
 
 COVARIANCES = ("diag", "full")
 BACKWARDS = ("linear", "mlp")
@@ -117,7 +117,8 @@ class StreamingFamily(pyro.nn.PyroModule):
 
     Raises:
         ValueError: ``state_dim`` or ``num_kernels`` out of range, an unknown ``covariance`` or
-            ``backward``, ``init_scale <= 0``, or empty ``hidden_dims`` with ``backward="mlp"``.
+            ``backward``, an ``init_scale`` that is not a finite number > 0, or ``hidden_dims`` that
+            are not a non-empty tuple of positive ints with ``backward="mlp"``.
 
     Example:
         :meth:`marginals` pushes ``q(x_1) = N(1, 2)`` back through the kernel
@@ -146,17 +147,17 @@ class StreamingFamily(pyro.nn.PyroModule):
         init_scale: float = 0.1,
     ):
         super().__init__(name=type(self).__name__)
-        if not isinstance(state_dim, int) or state_dim < 1:
+        if not isinstance(state_dim, int) or isinstance(state_dim, bool) or state_dim < 1:
             raise ValueError(f"state_dim must be a positive int, got {state_dim!r}")
         if covariance not in COVARIANCES:
             raise ValueError(f"covariance must be one of {COVARIANCES}, got {covariance!r}")
         if backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-        if not isinstance(num_kernels, int) or num_kernels < 0:
+        if not isinstance(num_kernels, int) or isinstance(num_kernels, bool) or num_kernels < 0:
             raise ValueError(f"num_kernels must be an int >= 0, got {num_kernels!r}")
-        if not init_scale > 0:
-            raise ValueError(f"init_scale must be > 0, got {init_scale}")
-        if backward == "mlp" and (not hidden_dims or any(int(h) < 1 for h in hidden_dims)):
+        if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+        if backward == "mlp" and (not hidden_dims or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden_dims)):
             raise ValueError(f"hidden_dims must be a non-empty tuple of positive ints, got {hidden_dims!r}")
         self.state_dim = state_dim
         self.covariance = covariance
@@ -185,6 +186,11 @@ class StreamingFamily(pyro.nn.PyroModule):
             return 0.5 * var.log()
         cov = covariance if covariance.dim() == 2 else torch.diag_embed(covariance)
         return tril_to_vector(torch.linalg.cholesky(cov))
+
+    def _raw_from_tril(self, scale_tril: Tensor) -> Tensor:
+        if self.covariance == "diag":
+            return 0.5 * scale_tril.square().sum(-1).log()
+        return tril_to_vector(scale_tril)
 
     def _make_kernels(self, K: int) -> None:
         """(Re)creates ``K`` kernels at their initial values (new parameters on ``loc``'s device)."""
@@ -254,6 +260,30 @@ class StreamingFamily(pyro.nn.PyroModule):
             covs.append(kern.weight @ covs[-1] @ kern.weight.T + kern.covariance())
         return torch.stack(means[::-1]), torch.stack(covs[::-1])
 
+    @torch.no_grad()
+    def invalid_parameter(self) -> str | None:
+        """The name of the first parameter that is not finite, or whose standard deviations are
+        0 or ``inf`` (``exp`` of a finite log can be either), else ``None``.
+
+        Example:
+            >>> import torch
+            >>> q = StreamingFamily(2)
+            >>> q.invalid_parameter() is None
+            True
+            >>> _ = q.scale_raw.detach().fill_(1000.0)                    # sd exp(1000) = inf
+            >>> q.invalid_parameter()
+            'scale_raw'
+        """
+        for name, p in self.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                return name
+        for name in ("scale_raw", "bwd_scale_raw"):
+            scale = self._scale(getattr(self, name))
+            sd = scale if self.covariance == "diag" else scale.square().sum(-1).sqrt()
+            if not (bool(torch.isfinite(sd).all()) and bool((sd > 0).all()) and bool(torch.isfinite(sd.square()).all())):
+                return name
+        return None
+
     # --- what the online filter does between steps -------------------------------------------
     def freeze(self) -> tuple[dist.TorchDistribution, GaussianKernel]:
         """Detached copies of the current marginal and kernel (what the online filter carries on)."""
@@ -264,17 +294,124 @@ class StreamingFamily(pyro.nn.PyroModule):
             return marginal, GaussianKernel(k.weight.detach().clone(), k.bias.detach().clone(), k.scale.detach().clone(), mlp)
 
     @torch.no_grad()
-    def set_marginal(self, loc: Tensor, covariance: Tensor) -> None:
-        """Sets ``q(x_t) = N(loc, covariance)`` (a diagonal family keeps the diagonal)."""
+    def set_marginal(self, loc: Tensor, covariance: Tensor | None = None, *, scale_tril: Tensor | None = None) -> None:
+        """Sets ``q(x_t) = N(loc, covariance)`` (a diagonal family keeps the diagonal).
+
+        Args:
+            loc: ``(d,)``.
+            covariance: ``(d, d)`` (or its diagonal ``(d,)``), positive definite.
+            scale_tril: instead of ``covariance``, its lower Cholesky factor ``(d, d)``, for a
+                covariance too ill-conditioned to pass densely (in float32 a posterior ``1e8``
+                times narrower in one direction than another is not numerically positive
+                definite as a matrix, but is as a factor).
+        """
+        if (covariance is None) == (scale_tril is None):
+            raise ValueError("set_marginal needs exactly one of covariance and scale_tril")
         self.loc.copy_(loc)
-        self.scale_raw.copy_(self._raw_from_cov(covariance))
+        self.scale_raw.copy_(self._raw_from_cov(covariance) if scale_tril is None else self._raw_from_tril(scale_tril))
 
     @torch.no_grad()
-    def set_kernel(self, weight: Tensor, bias: Tensor, covariance: Tensor, index: int = -1) -> None:
-        """Sets kernel ``index`` to ``N(x_prev | weight x_next + bias, covariance)`` (MLP part zeroed)."""
+    def set_kernel(self, weight: Tensor, bias: Tensor, covariance: Tensor | None = None, index: int = -1, *, scale_tril: Tensor | None = None) -> None:
+        """Sets kernel ``index`` to ``N(x_prev | weight x_next + bias, covariance)`` (MLP part zeroed);
+        ``scale_tril`` (the covariance's lower Cholesky factor) may be passed instead of
+        ``covariance``, as for :meth:`set_marginal`."""
+        if (covariance is None) == (scale_tril is None):
+            raise ValueError("set_kernel needs exactly one of covariance and scale_tril")
         self.bwd_weight[index] = weight
         self.bwd_bias[index] = bias
-        self.bwd_scale_raw[index] = self._raw_from_cov(covariance)
+        self.bwd_scale_raw[index] = self._raw_from_cov(covariance) if scale_tril is None else self._raw_from_tril(scale_tril)
         if self.backward == "mlp":
             getattr(self, f"bwd_mlp_w{len(self.hidden_dims)}").zero_()
             getattr(self, f"bwd_mlp_b{len(self.hidden_dims)}").zero_()
+
+
+class StepFrame:
+    """Whitened coordinates of a :class:`StreamingFamily` around its parameters at one moment.
+
+    The online filter fits each step's marginal and kernel by Adam, whose iterations move every
+    coordinate by about the learning rate in that coordinate's units. In the units of the state
+    that is no step size at all: a posterior ``1e4`` times narrower along some direction (a
+    precise observation, possibly of a combination of coordinates) is left by any step that is
+    fine across it. So the optimiser moves whitened variables ``w`` (zero at the start) instead,
+    with ``m_0, L_0`` the start's mean and covariance factor and ``L^k_0`` the kernel's:
+
+    * mean ``m = m_0 + L_0 u``; covariance factor ``L = L_0 T(v)`` (``T`` lower triangular with
+      logs on its diagonal, ``T(0) = I``; the diagonal family has ``L = L_0 diag(e^v)``);
+    * kernel mean ``W x + b = W_0 x + b_0 + L^k_0 (A L_0^{-1} (x - m_0) + c)``, so that ``A`` and ``c``
+      act on the whitened ``x_t`` and move the kernel's mean in its own standard deviations, and
+      ``c`` alone at ``x_t = m_0``; kernel factor ``L^k = L^k_0 T(v^k)``;
+    * an MLP correction: its first layer on the whitened ``x_t``, its output in ``L^k_0`` units.
+
+    A unit of any ``w`` is then a unit of Mahalanobis distance (or a factor ``e`` in a standard
+    deviation) of the distribution at the start, whatever the units and the orientation of the
+    state; rescaling the state rescales the whole fit. Only the last kernel is in the frame (the
+    current one online); the others keep their values.
+
+    Args:
+        family: the family; its current parameters are the frame's origin.
+
+    Example:
+        >>> import torch
+        >>> q = StreamingFamily(2, covariance="full")
+        >>> q.set_marginal(torch.tensor([1.0, 2.0]), torch.tensor([[1e-4, 0.0], [0.0, 4.0]]))
+        >>> frame = StepFrame(q)
+        >>> w = frame.variables()
+        >>> w["loc"] = torch.tensor([1.0, 1.0])                         # one sd in each direction
+        >>> frame.parameters(w)["loc"]
+        tensor([1.0100, 4.0000])
+    """
+
+    def __init__(self, family: StreamingFamily):
+        self.family = family
+        with torch.no_grad():
+            d = family.state_dim
+            self.base = {name: p.detach().clone() for name, p in family.named_parameters()}
+            self.loc0 = family.loc.detach().clone()
+            self.tril0 = self._tril(family.scale_raw.detach())
+            eye = torch.eye(d, dtype=self.loc0.dtype, device=self.loc0.device)
+            self.tril0_inv = torch.linalg.solve_triangular(self.tril0, eye, upper=False)
+            self.z0 = self.tril0_inv @ self.loc0  # the start's mean in whitened units
+            self.kernel_tril0 = self._tril(family.bwd_scale_raw[-1].detach())
+
+    def _tril(self, raw: Tensor) -> Tensor:
+        scale = self.family._scale(raw)
+        return torch.diag_embed(scale) if self.family.covariance == "diag" else scale
+
+    def _raw(self, tril0: Tensor, v: Tensor) -> Tensor:
+        if self.family.covariance == "diag":
+            return tril0.diagonal().log() + v
+        return tril_to_vector(tril0 @ tril_from_vector(v, self.family.state_dim))
+
+    def variables(self) -> dict[str, Tensor]:
+        """The whitened variables, all zero (leaves that require grad)."""
+        d, like = self.family.state_dim, self.loc0
+        n = d if self.family.covariance == "diag" else d * (d + 1) // 2
+        shapes = {"loc": (d,), "scale": (n,), "weight": (d, d), "bias": (d,), "kernel_scale": (n,)}
+        shapes.update({name: tuple(p.shape) for name, p in self.base.items() if name.startswith("bwd_mlp_")})
+        return {name: like.new_zeros(shape).requires_grad_(True) for name, shape in shapes.items()}
+
+    def parameters(self, w: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The family's parameters at the whitened point ``w`` (differentiable in ``w``), by the
+        names of ``named_parameters()``."""
+        base, k = self.base, self.family.num_kernels - 1
+        A, c = w["weight"], w["bias"]
+        weight = base["bwd_weight"][k] + self.kernel_tril0 @ A @ self.tril0_inv
+        bias = base["bwd_bias"][k] + self.kernel_tril0 @ (c - A @ self.z0)
+        out = {
+            "loc": self.loc0 + self.tril0 @ w["loc"],
+            "scale_raw": self._raw(self.tril0, w["scale"]),
+            "bwd_weight": torch.cat([base["bwd_weight"][:k], weight.unsqueeze(0)]),
+            "bwd_bias": torch.cat([base["bwd_bias"][:k], bias.unsqueeze(0)]),
+            "bwd_scale_raw": torch.cat([base["bwd_scale_raw"][:k], self._raw(self.kernel_tril0, w["kernel_scale"]).unsqueeze(0)]),
+        }
+        if self.family.backward == "mlp":
+            last = len(self.family.hidden_dims)
+            for i in range(last + 1):
+                dw, db = w[f"bwd_mlp_w{i}"], w[f"bwd_mlp_b{i}"]
+                w0, b0 = base[f"bwd_mlp_w{i}"], base[f"bwd_mlp_b{i}"]
+                if i == 0:  # on the whitened x_t, centred at the start's mean
+                    w0, b0, dw, db = w0, b0 - dw @ self.z0, dw @ self.tril0_inv, db
+                if i == last:  # the output adds to the kernel's mean, in its units
+                    dw, db = self.kernel_tril0 @ dw, self.kernel_tril0 @ db
+                out[f"bwd_mlp_w{i}"], out[f"bwd_mlp_b{i}"] = w0 + dw, b0 + db
+        return out

@@ -16,7 +16,7 @@ from pyro_smc.infer.gaussian_smoothers import (
     unscented_kalman_filter,
     unscented_rts_smoother,
 )
-from pyro_smc.infer.online import OnlineVariationalFilter
+from pyro_smc.infer.online import OnlineFilterWarning, OnlineVariationalFilter
 from pyro_smc.infer.projections import Linearization, MomentMatching, Projection, Unscented
 from pyro_smc.infer.smc import SMC, ParticleDegeneracyWarning, SMCFailedError
 from pyro_smc.infer.smc_elbo import SMCELBO
@@ -30,6 +30,7 @@ __all__ = [
     "Linearization",
     "MomentMatching",
     "OnlineVariationalFilter",
+    "OnlineFilterWarning",
     "ParticleDegeneracyWarning",
     "Projection",
     "Unscented",

@@ -22,8 +22,9 @@ The parts, one module each: the step's fixed inputs and model runs
 (:mod:`~pyro_smc.infer.online_context`), where the optimisation starts
 (:mod:`~pyro_smc.infer.online_init`), the objective and its optimiser
 (:mod:`~pyro_smc.infer.online_objective`), the regressors (:mod:`~pyro_smc.infer.regression`) and
-online parameter learning (:mod:`~pyro_smc.infer.online_learning`). The filter here orchestrates
-them and owns the carried state and checkpointing.
+online parameter learning (:mod:`~pyro_smc.infer.online_learning`), and what is checked so that no
+wrong number is reported silently (:mod:`~pyro_smc.infer.online_checks`). The filter here
+orchestrates them and owns the carried state and checkpointing.
 
 Constant cost: the guide has one fixed set of parameters (no new ``pyro.param`` per step), the
 optimiser's state is reset each step, the regressors see a fixed number of samples, and what is
@@ -54,10 +55,12 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections import deque
 from typing import Any, Callable
 
+import pyro
 import pyro.poutine as poutine
 import torch
 from torch import Tensor
@@ -65,23 +68,29 @@ from tqdm.auto import tqdm
 
 from pyro_smc.guides.streaming_family import GaussianKernel, StreamingFamily, gaussian, marginal_covariance
 from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
+from pyro_smc.infer.online_checks import (
+    EXTRAPOLATION_LIMIT,
+    OnlineFilterWarning,
+    check_int,
+    check_marginal,
+    check_rate,
+    check_targets,
+    extrapolation,
+    standard_error,
+    warn_extrapolated,
+)
 from pyro_smc.infer.online_context import StepContext, check_observation
 from pyro_smc.infer.online_init import initialise
-from pyro_smc.infer.online_learning import ParameterLearner, robbins_monro
+from pyro_smc.infer.online_learning import ParameterLearner, model_parameter_names, robbins_monro
 from pyro_smc.infer.online_objective import StepOptimiser, draw, increment
 from pyro_smc.infer.regression import QuadraticRegressor, Regressor, make_regressor
+from pyro_smc.models.protocol import check_observations
 from pyro_smc.ops.results import OnlineFilterResult
 from pyro_smc.tracing import module_context
 
-__all__ = ["INITIALIZE", "OnlineVariationalFilter", "robbins_monro"]
+__all__ = ["EXTRAPOLATION_LIMIT", "INITIALIZE", "OnlineFilterWarning", "OnlineVariationalFilter", "robbins_monro"]
 
 INITIALIZE = ("laplace", "predict", "previous")
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class OnlineVariationalFilter:
@@ -95,8 +104,13 @@ class OnlineVariationalFilter:
             :class:`~pyro_smc.guides.StreamingFamily` with one kernel.
         num_samples: Monte Carlo samples per optimisation iteration.
         num_iterations: Adam iterations on ``phi_t`` per observation (0: use the guide as it is).
-        lr: Adam learning rate for ``phi_t`` (decayed tenfold over each step's iterations).
-        initial_lr: the rate at the first step, which starts from the prior (default ``10 * lr``).
+        lr: Adam learning rate for ``phi_t`` in the whitened units of the step's start (decayed
+            tenfold over each step's iterations): an iteration moves the marginal's and the
+            kernel's means by about ``lr`` of their standard deviations in any direction and
+            their scales by a factor of about ``e^lr`` (``StepFrame`` in
+            ``pyro_smc.guides.streaming_family``), whatever the units and the orientation of the
+            state.
+        initial_lr: the rate at the first step (default ``10 * lr``).
         regressor: ``"quadratic"`` (exact for linear-Gaussian models), ``"kernel"``, ``"mlp"``
             or a :class:`~pyro_smc.regression.Regressor` (copied for the value and the score).
         num_regression_samples: samples per regression fit (and in the carried state batch).
@@ -116,8 +130,22 @@ class OnlineVariationalFilter:
         t: the number of observations assimilated since :meth:`init`.
         log_evidence: the running ELBO ``L_t``, a Monte Carlo estimate of a lower bound on
             ``log p(y_{1:t})`` (scalar tensor). ``elbo`` is the same number.
+        log_evidence_standard_error: its Monte Carlo standard error, ``sqrt(sum_t s_t^2 / N)``
+            with ``s_t`` the sd of step ``t``'s ``N`` regression targets: each step's mean adds
+            its own error, and the regression ``U_{t-1}`` carries the earlier ones (exactly so
+            while each kernel's draws lie where ``U_{t-1}`` was fitted, which the filter checks).
         log_evidence_increment: ``L_t - L_{t-1}``. ``elbo_increment`` is the same number.
         last_increments: the last step's per-sample increments ``delta`` ``(N,)``.
+        unreliable_steps: the steps whose kernel extrapolated the value regression (see
+            ``pyro_smc.infer.online.OnlineFilterWarning``, emitted at the first); ``log_evidence``
+            is unreliable from the first of them on.
+
+    Raises:
+        ValueError: (from :meth:`step` and :meth:`run`) an invalid observation (naming the step:
+            of another shape than the site observing it, partly NaN, or with an ``inf``), and a
+            step whose filtering mean or covariance, or ELBO increment, is not finite (naming
+            the step); the filter's state is then that of the step before (but for the guide's
+            parameters, and with ``learn_parameters`` the model's, when those became non-finite).
 
     Example:
         >>> import torch
@@ -139,7 +167,7 @@ class OnlineVariationalFilter:
         *,
         num_samples: int = 32,
         num_iterations: int = 100,
-        lr: float = 0.01,
+        lr: float = 0.03,
         initial_lr: float | None = None,
         regressor: str | Regressor = "quadratic",
         num_regression_samples: int = 256,
@@ -156,18 +184,22 @@ class OnlineVariationalFilter:
             raise ValueError(f"guide must be a StreamingFilterGuide, got {type(guide).__name__}")
         if getattr(guide, "num_steps", None) is not None or guide.num_kernels != 1:
             raise ValueError("guide must be in online mode (StreamingFilterGuide(state_dim) without num_steps)")
+        if state_key is not None and not isinstance(state_key, str):
+            raise ValueError(f"state_key must be None or the name (a str) of the state entry holding the latent, got {state_key!r}")
         if initialize not in INITIALIZE:
             raise ValueError(f"initialize must be one of {INITIALIZE}, got {initialize!r}")
-        if not (isinstance(lr, (int, float)) and lr > 0):
-            raise ValueError(f"lr must be > 0, got {lr!r}")
-        if not callable(parameter_lr) and not (isinstance(parameter_lr, (int, float)) and parameter_lr > 0):
-            raise ValueError(f"parameter_lr must be > 0 or a callable t -> step size, got {parameter_lr!r}")
+        lr = check_rate("lr", lr)
+        if not callable(parameter_lr):
+            try:
+                parameter_lr = check_rate("parameter_lr", parameter_lr)
+            except ValueError:
+                raise ValueError(f"parameter_lr must be a finite number > 0 or a callable t -> step size, got {parameter_lr!r}") from None
         self.model = model
         self.guide = guide
-        self.num_samples = _positive_int("num_samples", num_samples)
-        self.num_iterations = _positive_int("num_iterations", num_iterations, minimum=0)
-        self.num_regression_samples = _positive_int("num_regression_samples", num_regression_samples, minimum=2)
-        self.window = _positive_int("window", window)
+        self.num_samples = check_int("num_samples", num_samples)
+        self.num_iterations = check_int("num_iterations", num_iterations, minimum=0)
+        self.num_regression_samples = check_int("num_regression_samples", num_regression_samples, minimum=2)
+        self.window = check_int("window", window)
         self.initialize = initialize
         self.learn_parameters = bool(learn_parameters)
         self.parameter_schedule = parameter_lr if callable(parameter_lr) else robbins_monro(float(parameter_lr))
@@ -179,10 +211,8 @@ class OnlineVariationalFilter:
         self._warn_if_too_few_regression_samples()
         self._state_key = state_key
         self.progress_bar = bool(progress_bar)
-        self.lr = float(lr)
-        self.initial_lr = 10.0 * self.lr if initial_lr is None else float(initial_lr)
-        if not self.initial_lr > 0:
-            raise ValueError(f"initial_lr must be > 0, got {initial_lr!r}")
+        self.lr = lr
+        self.initial_lr = 10.0 * self.lr if initial_lr is None else check_rate("initial_lr", initial_lr)
         self._optimiser = StepOptimiser(guide, lr=self.lr, initial_lr=self.initial_lr, num_iterations=self.num_iterations, num_samples=self.num_samples)
         self.init()
 
@@ -206,6 +236,8 @@ class OnlineVariationalFilter:
         self.t = 0
         self.log_evidence = torch.zeros(())
         self.log_evidence_increment = torch.zeros(())
+        self.log_evidence_standard_error = torch.zeros(())
+        self.unreliable_steps: list[int] = []
         self._state: dict[str, Tensor] = {}
         self._previous = None  # the frozen q_{t-1}(x_{t-1})
         self._kernels: deque = deque(maxlen=self.window)
@@ -216,7 +248,10 @@ class OnlineVariationalFilter:
         # Per-step summaries for `result`: O(T d^2) memory, a few hundred bytes a step for small d.
         self._history: dict[str, list[Tensor]] = {"increments": [], "means": [], "covariances": []}
         with poutine.block(), module_context(self.model):
-            self.model.init(self._state, *args, **kwargs)
+            trace = poutine.trace(self.model.init).get_trace(self._state, *args, **kwargs)
+        # Every parameter the model has (a PyroModule's) or has read (init's, then each step's).
+        names = model_parameter_names(self.model) + [name for name, site in trace.nodes.items() if site["type"] == "param"]
+        self._param_names = dict.fromkeys(names)
         return self
 
     def step(self, y: Tensor | None, *args, **kwargs) -> OnlineVariationalFilter:
@@ -232,16 +267,20 @@ class OnlineVariationalFilter:
         Returns:
             ``self``.
         """
-        missing = check_observation(y, f"step {self.t}", self._obs_shape)
-        if isinstance(y, Tensor) and self._obs_shape is None:
-            self._obs_shape = y.shape
+        where = f"step {self.t}"
+        missing = check_observation(y, where, self._obs_shape)
         context = StepContext(self.model, dict(vars(self.model)), self._state, self._previous, y, missing, self.t, args, kwargs, state_key=self._state_key)
         context, prior = context.discover(self.num_regression_samples, self.guide.state_dim)
+        if isinstance(y, Tensor) and self._obs_shape is None:
+            self._obs_shape = y.shape
         self._state_key = context.state_key
+        self._param_names.update(dict.fromkeys(prior.param_names))
         self._learner.track(prior.param_names)
         if self.initialize != "previous":
             initialise(self.guide, context, prior, laplace=self.initialize == "laplace" and not missing)
+            check_marginal(self.guide, where)
         self._optimiser.fit(context, self._value)
+        check_marginal(self.guide, where)
         self._assimilate(context)
         marginal, kernel = self.guide.freeze()
         if self.t > 0:
@@ -265,13 +304,19 @@ class OnlineVariationalFilter:
             ``self``.
 
         Raises:
-            ValueError: ``observations`` is not a tensor with a leading time dimension, or a slice
-                is partly NaN or has an ``inf`` (checked before anything runs).
+            ValueError: ``observations`` is not a tensor with a leading time dimension (of shape
+                ``(T, model.obs_dim)`` when the model declares ``obs_dim``, or ``(T,)`` when that is
+                1), or a slice is partly NaN or has an ``inf`` (checked before anything runs); and
+                as for :meth:`step`.
         """
         if not isinstance(observations, Tensor):
             raise ValueError(f"observations must be a tensor of shape (T, ...), got {type(observations).__name__}")
         if observations.dim() == 0:
             raise ValueError("observations must have a leading time dimension, got a scalar")
+        obs_dim = getattr(self.model, "obs_dim", None)
+        if isinstance(obs_dim, int) and not isinstance(obs_dim, bool) and observations.is_floating_point():
+            # A model that declares its observation size is held to the rule every engine applies.
+            observations, _ = check_observations(observations, obs_dim)
         for t, y in enumerate(observations):
             check_observation(y, f"step {t}", None)
         self.init(*args, **kwargs)
@@ -282,8 +327,8 @@ class OnlineVariationalFilter:
     @property
     def result(self) -> OnlineFilterResult:
         """A snapshot of the stream so far as an :class:`~pyro_smc.ops.results.OnlineFilterResult`:
-        the running ELBO ``log_evidence``, its per-step increments ``(T,)`` and the filtering
-        marginals' means ``(T, d)`` and covariances ``(T, d, d)`` (detached)."""
+        the running ELBO ``log_evidence`` and its standard error, its per-step increments ``(T,)``
+        and the filtering marginals' means ``(T, d)`` and covariances ``(T, d, d)`` (detached)."""
         if not self._history["means"]:
             raise RuntimeError("no observation has been assimilated yet; call run(observations) or step(y) first")
         return OnlineFilterResult(
@@ -291,6 +336,7 @@ class OnlineVariationalFilter:
             log_evidence_increments=torch.stack(self._history["increments"]),
             means=torch.stack(self._history["means"]),
             covariances=torch.stack(self._history["covariances"]),
+            log_evidence_standard_error=self.log_evidence_standard_error,
         )
 
     @property
@@ -311,13 +357,22 @@ class OnlineVariationalFilter:
 
     def smoothing_samples(self, num_samples: int, lag: int | None = None) -> Tensor:
         """Samples of ``(x_{t-lag}, ..., x_t)`` from the variational smoother, ``(num_samples, lag + 1, d)``:
-        ``x_t`` from the filtering marginal, then backward through the stored kernels."""
+        ``x_t`` from the filtering marginal, then backward through the stored kernels.
+
+        Args:
+            num_samples: an int >= 1.
+            lag: an int in ``[0, K]`` with ``K`` the number of kernels stored (at most ``window``);
+                ``None`` is ``K``.
+
+        Raises:
+            ValueError: ``num_samples`` or ``lag`` out of range; RuntimeError before the first step.
+        """
         available = len(self._kernels)
         lag = available if lag is None else lag
-        if not 0 <= lag <= available:
-            raise ValueError(f"lag must be in [0, {available}] (the stored window), got {lag}")
+        if isinstance(lag, bool) or not isinstance(lag, int) or not 0 <= lag <= available:
+            raise ValueError(f"lag must be an int in [0, {available}] (the stored window), got {lag!r}")
         with torch.no_grad():
-            x = self.filtering_distribution().sample((_positive_int("num_samples", num_samples),))
+            x = self.filtering_distribution().sample((check_int("num_samples", num_samples),))
             path = [x]
             for kernel in list(self._kernels)[len(self._kernels) - lag :][::-1]:
                 x = kernel.distribution(x).sample()
@@ -325,8 +380,14 @@ class OnlineVariationalFilter:
         return torch.stack(path[::-1], dim=1)
 
     def parameters(self) -> dict[str, Tensor]:
-        """The model's current parameters (constrained values, detached)."""
-        return self._learner.parameters()
+        """The model's current parameters, ``{Pyro name: constrained value}`` (detached copies).
+
+        Every parameter of a ``PyroModule`` model from the start, and every ``pyro.param`` that
+        ``model.init`` or a ``model.step`` so far has read; with ``learn_parameters`` those that
+        ``model.step`` reads are the ones learned. Empty for a model without parameters.
+        """
+        store = pyro.get_param_store()
+        return {name: pyro.param(name).detach().clone() for name in self._param_names if name in store}
 
     # --- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -340,6 +401,9 @@ class OnlineVariationalFilter:
             "t": self.t,
             "elbo": self.log_evidence.clone(),
             "elbo_increment": self.log_evidence_increment.clone(),
+            "elbo_standard_error": self.log_evidence_standard_error.clone(),
+            "unreliable_steps": list(self.unreliable_steps),
+            "param_names": list(self._param_names),
             "guide": {k: v.detach().clone() for k, v in self.guide.state_dict().items()},
             "previous": _marginal_state(self._previous),
             "kernels": [vars(k).copy() for k in self._kernels],
@@ -359,6 +423,10 @@ class OnlineVariationalFilter:
         (continue it with :meth:`step`: :meth:`run` starts a new stream)."""
         self.t = int(state["t"])
         self.log_evidence, self.log_evidence_increment = state["elbo"].clone(), state["elbo_increment"].clone()
+        # Checkpoints written before the standard error was kept resume with an unknown one.
+        self.log_evidence_standard_error = state.get("elbo_standard_error", torch.full((), math.nan)).clone()
+        self.unreliable_steps = list(state.get("unreliable_steps", []))
+        self._param_names.update(dict.fromkeys(state.get("param_names", [])))
         self.guide.load_state_dict(state["guide"])
         prev = state["previous"]
         self._previous = None if prev is None else gaussian(prev["loc"].clone(), prev["scale"].clone())
@@ -389,14 +457,33 @@ class OnlineVariationalFilter:
         past = 0.0 if pairs.x_prev is None else self._value(pairs.x_prev).reshape(-1)
         increments = delta.detach()
         targets = past + increments
+        check_targets(targets, f"step {self.t}")
+        if pairs.x_prev is not None:
+            self._check_extrapolation(pairs.x_prev)
         self.last_increments = increments
         estimate = targets.mean()
         self.log_evidence_increment = estimate - self.log_evidence
         self.log_evidence = estimate
+        se = standard_error(targets)
+        # The first step's error is its own (the zero init() left has the default device, not the model's).
+        self.log_evidence_standard_error = se if self.t == 0 else torch.hypot(self.log_evidence_standard_error, se)
         self._value = self._value_regressor.fit(pairs.x_t, targets)
         if learn:
             self._learner.update(delta, pairs.x_t, pairs.x_prev, self.t)
+            bad = [name for name, leaf in self._learner.theta.items() if not bool(torch.isfinite(leaf).all())]
+            if bad:
+                raise ValueError(f"at step {self.t}: the online update made parameter {bad[0]!r} not finite; use a smaller parameter_lr")
         self._state = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in state.items()}
+
+    def _check_extrapolation(self, x_prev: Tensor) -> None:
+        """Records (and warns at the first) a step whose kernel puts ``x_{t-1}`` outside the draws
+        of ``q_{t-1}`` that ``U_{t-1}`` was fitted on (:class:`OnlineFilterWarning`)."""
+        distance = extrapolation(self._previous, x_prev)
+        if distance is None:
+            return
+        self.unreliable_steps.append(self.t)
+        if len(self.unreliable_steps) == 1:
+            warn_extrapolated(self.t, distance, x_prev.shape[-1], self.initialize)
 
     # --- read-only views of the parts, for tests and benchmarks -------------------------------
     @property

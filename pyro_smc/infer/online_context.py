@@ -13,7 +13,8 @@ the trace by :mod:`pyro_smc.tracing` (latent-site selection and Pyro's scaled, m
 Missing observations follow the rule of every engine: a ``None`` or all-NaN observation is
 predict-only (no observed site is scored; with ``None`` the model samples its observation sites
 itself, and those draws are not scored either), a partly-NaN one or one with an ``inf`` is an
-error naming the step (:func:`check_observation`).
+error naming the step (:func:`check_observation`), and so is an observation of another shape than
+the site that observes it, which Pyro would broadcast (:func:`~pyro_smc.tracing.check_observed_shapes`).
 
 Example:
     >>> import torch
@@ -43,7 +44,7 @@ from pyro.distributions import TorchDistribution
 from pyro.poutine.trace_struct import Trace
 from torch import Tensor
 
-from pyro_smc.tracing import is_scored, latent_sites, module_context, param_sites, site_log_probs
+from pyro_smc.tracing import check_observed_shapes, is_scored, latent_sites, module_context, param_sites, site_log_probs
 
 __all__ = ["Discovery", "StepContext", "check_observation"]
 
@@ -148,10 +149,15 @@ class StepContext:
 
         Raises:
             ValueError: the step does not sample exactly one latent site of shape ``(d,)`` stored
-                in one ``state`` entry.
+                in one ``state`` entry; the observation would be broadcast into the site observing
+                it (:func:`~pyro_smc.tracing.check_observed_shapes`); or ``model.step`` raised a ``ValueError`` (its
+                message then names the step).
         """
         x_prev = None if self.previous is None else self.previous.sample((num_samples,))
-        trace, state = self.run(x_prev)
+        try:
+            trace, state = self.run(x_prev)
+        except ValueError as error:
+            raise ValueError(f"model.step raised at step {self.t}: {error}") from error
         names = latent_sites(trace)
         if self.y is None and len(names) > 1:
             # Without an observation the model samples its observation sites too; the state's
@@ -165,12 +171,20 @@ class StepContext:
         if value.shape[-1:] != (state_dim,) or value.dim() > 2:
             raise ValueError(f"latent site '{name}' at step {self.t} has shape {tuple(value.shape)}; the guide's state_dim is {state_dim}")
         state_key = self.state_key
+        keys = [k for k, v in state.items() if v is value]
         if state_key is None:
-            keys = [k for k, v in state.items() if v is value]
             if len(keys) != 1:
                 raise ValueError(f"could not find the state entry holding '{name}'; pass state_key= to OnlineVariationalFilter")
             state_key = keys[0]
+        elif state.get(state_key) is not value:
+            # The filter would put x_{t-1} where the model never reads it (a silent wrong answer).
+            raise ValueError(
+                f"state_key={state_key!r} does not hold the latent site '{name}' after model.step at step {self.t}"
+                f"{f' (the model stores it in state[{keys[0]!r}])' if keys else ''}"
+            )
         context = dataclasses.replace(self, site=name, state_key=state_key)
+        # The model's draws are batched over the Monte Carlo samples (a leading dim) after the first step.
+        check_observed_shapes(trace, (num_samples,) if value.dim() > 1 else (), where=f"step {self.t}")
         return context, Discovery(x_prev, value.reshape(-1, state_dim), node["fn"], param_sites(trace))
 
     def log_joint(self, x_prev: Tensor | None, x_t: Tensor) -> tuple[Tensor, dict]:

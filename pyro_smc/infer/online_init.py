@@ -58,13 +58,26 @@ def initialise(guide: StreamingFamily, context: StepContext, prior: Discovery, l
         prior: the discovery run's draws (:meth:`StepContext.discover`).
         laplace: take up to ``NEWTON_STEPS`` Newton steps on ``log g(y_t | x_t)``; ``False`` for a
             missing observation or ``initialize="predict"``.
+
+    Raises:
+        ValueError: the prediction's moments are not finite (naming the step).
     """
     m, cov = _prediction(prior, guide.state_dim)
+    if not (bool(torch.isfinite(m).all()) and bool(torch.isfinite(cov).all())):
+        raise ValueError(
+            f"at step {context.t}: the model's one-step prediction of x_t (its mean and covariance from the draws of "
+            "q_{t-1}) is not finite: check the model's transition at this step"
+        )
     if laplace:
-        m, cov = _laplace_update(context, m, cov, prior.x_prev)
-    guide.set_marginal(m, cov)
+        # As a factor: a precise observation makes the posterior covariance too ill-conditioned
+        # to pass as a matrix in float32 (it is not numerically positive definite).
+        m, tril = _laplace_update(context, m, cov, prior.x_prev)
+        guide.set_marginal(m, scale_tril=tril)
+    else:
+        guide.set_marginal(m, cov)
     if prior.x_prev is not None:
-        guide.set_kernel(*regression_kernel(prior.x_prior, prior.x_prev))
+        weight, bias, tril = regression_kernel(prior.x_prior, prior.x_prev, return_scale_tril=True)
+        guide.set_kernel(weight, bias, scale_tril=tril)
 
 
 def _prediction(prior: Discovery, d: int) -> tuple[Tensor, Tensor]:
@@ -84,7 +97,8 @@ def _prediction(prior: Discovery, d: int) -> tuple[Tensor, Tensor]:
 
 
 def _laplace_update(context: StepContext, m: Tensor, cov: Tensor, x_prev: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The Laplace approximation of ``N(x; m, cov) g(y_t | x)`` (:func:`pyro_smc.ops.laplace.laplace_newton`)."""
+    """The Laplace approximation of ``N(x; m, cov) g(y_t | x)`` as ``(loc, scale_tril)``
+    (:func:`pyro_smc.ops.laplace.laplace_newton`)."""
     # The run needs some x_{t-1}; g(y_t | x_t) does not depend on it, so one q_{t-1} draw does.
     prev = None if x_prev is None else x_prev[:1]
-    return laplace_newton(lambda x: context.log_likelihood(x, prev), m, cov, NEWTON_STEPS)
+    return laplace_newton(lambda x: context.log_likelihood(x, prev), m, cov, NEWTON_STEPS, return_scale_tril=True)

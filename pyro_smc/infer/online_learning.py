@@ -39,7 +39,7 @@ from pyro_smc.infer.regression import Regressor
 from pyro_smc.ops.jacobian import per_sample_gradients
 from pyro_smc.tracing import module_context
 
-__all__ = ["ParameterLearner", "robbins_monro"]
+__all__ = ["ParameterLearner", "model_parameter_names", "robbins_monro"]
 
 
 def robbins_monro(lr: float) -> Callable[[int], float]:
@@ -154,13 +154,33 @@ class ParameterLearner:
             self.theta[name] = leaf
 
 
-def _register_params(model: Any) -> None:
-    """Reads every ``PyroParam`` / ``nn.Parameter`` of a ``PyroModule`` model inside its context,
-    which puts it in the param store under the name the model's sites use."""
+def model_parameter_names(model: Any) -> list[str]:
+    """The Pyro names of every ``PyroParam`` / ``nn.Parameter`` of a ``PyroModule`` model (each read
+    once inside the model's context, which puts it in the param store under the name its sites
+    use); ``[]`` for a model that is not a ``PyroModule``.
+
+    Example:
+        >>> import pyro, torch
+        >>> from pyro_smc.models import DiagonalLinearGaussianSSM
+        >>> pyro.clear_param_store()
+        >>> model_parameter_names(DiagonalLinearGaussianSSM(torch.ones(2), torch.ones(2), 1.0, 1.0))
+        ['transition_diag', 'emission_diag']
+    """
     if not isinstance(model, PyroModule):
-        return
-    with poutine.block(), module_context(model):
+        return []
+    with poutine.block():
+        trace = poutine.trace(_read_parameters).get_trace(model)
+    return [name for name, site in trace.nodes.items() if site["type"] == "param"]
+
+
+def _read_parameters(model: PyroModule) -> None:
+    with module_context(model):
         for module in model.modules():
             if isinstance(module, PyroModule):
                 for name in list(module._pyro_params) + [n for n, _ in module.named_parameters(recurse=False)]:
                     getattr(module, name.removesuffix("_unconstrained"))
+
+
+def _register_params(model: Any) -> None:
+    """Puts every parameter of a ``PyroModule`` model in the param store (see :func:`model_parameter_names`)."""
+    model_parameter_names(model)

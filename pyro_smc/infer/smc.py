@@ -110,7 +110,6 @@ from pyro_smc.infer.smc_checks import (
     check_finite_args,
     check_marginal_supported,
     check_observation_dtype,
-    check_observed_shapes,
     check_positive_int,
     check_resampler,
     discrete_state_keys,
@@ -137,7 +136,7 @@ from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import all_finite
 from pyro_smc.ops.weights import ess as _ess
 from pyro_smc.resamplers import OTResampler, SystematicResampler
-from pyro_smc.tracing import detach_latent_draws, is_latent, is_scored, module_context, replay_where
+from pyro_smc.tracing import check_observed_shapes, detach_latent_draws, is_latent, is_scored, module_context, replay_where
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning", "ParticleDegeneracyWarning"]
 
@@ -655,7 +654,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
                     f"at {where}: the guide samples site '{extra[0]}', which the model's step does not have (its latent "
                     f"sites: {own}); the guide must name its sites as the model does at every step"
                 )
-        check_observed_shapes(model_trace, where)
+        check_observed_shapes(model_trace, self._particle_shape, where)
         self._discrete_keys |= discrete_state_keys(model_trace, self.state)
         kept = latent_kept_outside_state(model_trace, self.state, self.model)
         if kept is not None:

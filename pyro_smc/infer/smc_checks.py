@@ -33,7 +33,6 @@ __all__ = [
     "check_finite_args",
     "check_marginal_supported",
     "check_observation_dtype",
-    "check_observed_shapes",
     "check_positive_int",
     "check_resampler",
     "discrete_state_keys",
@@ -343,35 +342,6 @@ def check_observation_dtype(model_trace: Trace, y: Any, where: str) -> bool:
                     f"of the model's dtype (ys.to({param.dtype})) or build the model in {y.dtype}"
                 )
     return found
-
-
-def check_observed_shapes(model_trace: Trace, where: str) -> None:
-    """Every observed site's value fits its distribution without broadcasting the distribution up.
-
-    Pyro broadcasts an observation against a site's batch shape, which is how one ``(dy,)``
-    observation scores all particles. The other way round is a silent wrong answer: a ``(2,)``
-    observation of a site of shape ``(N, 1)`` scores two observations of one coordinate, and a
-    scalar observation of a site with event shape ``(2,)`` scores the same number twice (torch
-    checks neither with ``validate_args=False``). So the value's right-most dims must equal the
-    event shape, and broadcasting it against the site must leave the site's shape unchanged.
-
-    Raises:
-        ValueError: naming the step, the site and both shapes.
-    """
-    for name, site in model_trace.nodes.items():
-        if site["type"] != "sample" or not site["is_observed"] or not isinstance(site["value"], Tensor):
-            continue
-        fn, shape = site["fn"], tuple(site["value"].shape)
-        event, full = tuple(fn.event_shape), tuple(fn.batch_shape) + tuple(fn.event_shape)
-        # Plain tuples, not torch.broadcast_shapes: this runs at every step.
-        fits = len(shape) <= len(full) and (not event or shape[len(shape) - len(event) :] == event)
-        fits = fits and all(v == f or v == 1 for v, f in zip(reversed(shape), reversed(full)))
-        if not fits:
-            raise ValueError(
-                f"the observation of site '{name}' at {where} has shape {shape}, which does not fit the site "
-                f"(batch shape {tuple(fn.batch_shape)}, event shape {event}): its right-most dims must be the event shape, "
-                "and the rest must broadcast against the batch shape without enlarging it"
-            )
 
 
 def observed_components(args: tuple) -> Tensor | None:

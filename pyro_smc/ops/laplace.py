@@ -5,8 +5,11 @@ r"""Gaussian approximations for the start of an online filtering step (pure tens
   positive-definite precision. For a linear-Gaussian ``g`` the first step is the Kalman update;
   for a heavy-tailed ``g`` far from the data (where ``log g`` is convex) a step is a
   preconditioned gradient step with backtracking instead of a jump.
+* :func:`posterior_scale_tril`: the Cholesky factor of ``(P^{-1} + H)^{-1}`` by two QR
+  factorisations, accurate where ``H`` dwarfs ``P^{-1}`` (a precise observation in float32).
 * :func:`regression_kernel`: the linear-Gaussian regression ``x_prev | x ~ N(W x + b, S)`` of one
-  set of paired samples on another (the backward kernel implied by a joint Gaussian).
+  set of paired samples on another (the backward kernel implied by a joint Gaussian), its
+  residual covariance from the residuals themselves (no cancellation).
 * :func:`jittered`: a symmetrised covariance with a relative jitter of ``1e-6`` on its diagonal.
 
 See ``docs/math/streaming.md#initialising-a-step``.
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from pyro_smc.ops.gaussian import symmetrize
 
-__all__ = ["jittered", "laplace_newton", "regression_kernel"]
+__all__ = ["jittered", "laplace_newton", "posterior_scale_tril", "regression_kernel"]
 
 
 def jittered(cov: Tensor) -> Tensor:
@@ -52,8 +55,42 @@ def jittered(cov: Tensor) -> Tensor:
     return cov + 1e-6 * scale * torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
 
 
+def posterior_scale_tril(prior_tril: Tensor, curvature: Tensor) -> Tensor:
+    """The lower Cholesky factor of ``(P^{-1} + H)^{-1}``, never forming either matrix.
+
+    With ``P = L L^T`` and ``H = V diag(h) V^T`` (``h >= 0``), ``(P^{-1} + H)^{-1} = L (I + B B^T)^{-1} L^T``
+    for ``B = L^T V diag(h)^{1/2}``; the QR factorisation ``[I; B^T] = Q R`` gives ``R^T R = I + B B^T``
+    with ``R``'s singular values at least 1, so the factor ``L R^{-1}`` (made triangular by a
+    second QR) is accurate even where ``H`` is ``1e8`` times ``P^{-1}``, which the dense inverse of
+    ``P^{-1} + H`` is not in float32 (it comes out indefinite).
+
+    Args:
+        prior_tril: ``L`` ``(d, d)``, lower triangular with a positive diagonal.
+        curvature: ``H`` ``(d, d)``, symmetric positive semi-definite.
+
+    Returns:
+        ``(d, d)`` lower triangular with a positive diagonal.
+
+    Example:
+        >>> L = torch.eye(2, dtype=torch.float64)
+        >>> S = posterior_scale_tril(L, torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64)))
+        >>> [round(v, 6) for v in (S @ S.T).diagonal().tolist()]        # 1 / (1 + h)
+        [0.5, 0.25]
+    """
+    d = prior_tril.shape[-1]
+    vals, vecs = torch.linalg.eigh(symmetrize(curvature))
+    B = prior_tril.T @ (vecs * vals.clamp_min(0).sqrt())
+    eye = torch.eye(d, dtype=prior_tril.dtype, device=prior_tril.device)
+    R = torch.linalg.qr(torch.cat([eye, B.T], dim=0), mode="r").R
+    factor_t = torch.linalg.solve_triangular(R.T, prior_tril.T, upper=False)  # (L R^{-1})^T
+    R2 = torch.linalg.qr(factor_t, mode="r").R  # factor_t = Q2 R2, so L R^{-1} (.)^T = R2^T R2
+    return R2.T * torch.where(R2.diagonal() < 0, -1.0, 1.0).to(R2)
+
+
 @torch.enable_grad()
-def laplace_newton(log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor, max_steps: int = 5) -> tuple[Tensor, Tensor]:
+def laplace_newton(
+    log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor, max_steps: int = 5, *, return_scale_tril: bool = False
+) -> tuple[Tensor, Tensor]:
     """The Laplace approximation of ``N(x; mean, cov) g(x)`` by clipped Newton steps.
 
     See ``docs/math/streaming.md#laplace-approximation-by-newton-steps``.
@@ -63,11 +100,14 @@ def laplace_newton(log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor,
         mean: prior mean ``(d,)``.
         cov: prior covariance ``(d, d)``, positive definite.
         max_steps: the most Newton steps; it stops earlier once a step is below ``1e-6`` relative.
+        return_scale_tril: return the covariance's lower Cholesky factor instead of the
+            covariance (exact to rounding even where the posterior is far narrower than the prior
+            in some directions; see :func:`posterior_scale_tril`).
 
     Returns:
-        ``(loc, cov)``: the mode found and the inverse of the (clipped) negative Hessian there,
-        both detached. Where a step's precision is not positive definite or the gradient is not
-        finite, the last good iterate is returned.
+        ``(loc, cov)``: the mode found and the inverse of the (clipped) negative Hessian there
+        (or its Cholesky factor), both detached. Where the gradient is not finite, the last good
+        iterate is returned.
 
     Raises:
         RuntimeError: (``torch.linalg.LinAlgError``) if ``cov`` is not positive definite.
@@ -81,26 +121,26 @@ def laplace_newton(log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor,
         >>> loc.shape, cov.shape, abs(float(grad)) < 1e-4  # a mode of the product
         (torch.Size([1]), torch.Size([1, 1]), True)
     """
-    prec_prior = torch.cholesky_inverse(torch.linalg.cholesky(cov))
+    prior_tril = torch.linalg.cholesky(cov)
 
     def objective(x: Tensor) -> Tensor:
-        r = x - mean
-        return log_g(x) - 0.5 * r @ prec_prior @ r
+        z = torch.linalg.solve_triangular(prior_tril, (x - mean).unsqueeze(-1), upper=False).squeeze(-1)
+        return log_g(x) - 0.5 * z.square().sum()
 
-    x, new_cov = mean.detach().clone(), cov
+    x, tril = mean.detach().clone(), prior_tril
     for _ in range(max_steps):
         xg = x.clone().requires_grad_(True)
         value = objective(xg)
         (grad,) = torch.autograd.grad(value, xg)
         hess = torch.autograd.functional.hessian(log_g, x)
-        # Only the concave part of log g adds precision: convex directions would make it indefinite.
-        vals, vecs = torch.linalg.eigh(-0.5 * (hess + hess.T))
-        curvature = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.T
-        chol, info = torch.linalg.cholesky_ex(prec_prior + curvature)
-        if int(info) != 0 or not bool(torch.isfinite(grad).all()):
+        if not (bool(torch.isfinite(grad).all()) and bool(torch.isfinite(hess).all())):
             break
-        new_cov = torch.cholesky_inverse(chol)
-        step = new_cov @ grad
+        # Only the concave part of log g adds precision: convex directions would make it indefinite.
+        new_tril = posterior_scale_tril(prior_tril, -hess)
+        if not bool(torch.isfinite(new_tril).all()):
+            break
+        tril = new_tril
+        step = tril @ (tril.T @ grad)
         # Backtracking: where the curvature was clipped the full step can overshoot.
         for _ in range(20):
             with torch.no_grad():
@@ -110,17 +150,25 @@ def laplace_newton(log_g: Callable[[Tensor], Tensor], mean: Tensor, cov: Tensor,
         x = (x + step).detach()
         if float(step.abs().max()) <= 1e-6 * (1 + float(x.abs().max())):
             break
-    return x, new_cov.detach()
+    tril = tril.detach()
+    return x, tril if return_scale_tril else tril @ tril.T
 
 
-def regression_kernel(x: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def regression_kernel(x: Tensor, x_prev: Tensor, *, return_scale_tril: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Least-squares Gaussian regression of ``x_prev`` on ``x`` from paired samples.
 
     See ``docs/math/streaming.md#initialising-a-step``.
 
+    The residual covariance is the Gram matrix of the residuals ``x_prev - W x - b`` (not the
+    Schur complement ``S_pp - W S_px^T``, which loses to cancellation every direction in which
+    ``x_prev`` is far narrower than in others), factorised by QR; its diagonal is floored at ten
+    rounding errors of each coordinate's spread, which keeps it positive definite when ``x_prev``
+    is an exact linear function of ``x``.
+
     Args:
         x: ``(n, d)`` samples of the regressor.
         x_prev: ``(n, d)`` the paired samples of the response.
+        return_scale_tril: return the residual covariance's lower Cholesky factor instead.
 
     Returns:
         ``(weight (d, d), bias (d,), cov (d, d))`` with ``x_prev | x ~ N(weight x + bias, cov)``
@@ -136,7 +184,12 @@ def regression_kernel(x: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor, Tensor
     """
     n = len(x)
     xc, pc = x - x.mean(0), x_prev - x_prev.mean(0)
-    s_xx, s_px, s_pp = xc.T @ xc / n, pc.T @ xc / n, pc.T @ pc / n
+    s_xx, s_px = xc.T @ xc / n, pc.T @ xc / n
     weight = torch.linalg.solve(jittered(s_xx), s_px.T).T
     bias = x_prev.mean(0) - weight @ x.mean(0)
-    return weight, bias, jittered(s_pp - weight @ s_px.T)
+    residuals = (pc - xc @ weight.T) / n**0.5
+    R = torch.linalg.qr(residuals, mode="r").R  # R^T R = the residuals' Gram matrix
+    tril = R.T * torch.where(R.diagonal() < 0, -1.0, 1.0).to(R)
+    floor = 10 * torch.finfo(x_prev.dtype).eps * pc.abs().amax(0).clamp_min(torch.finfo(x_prev.dtype).tiny)
+    tril = tril.tril(-1) + torch.diag_embed(torch.maximum(tril.diagonal(), floor))
+    return weight, bias, tril if return_scale_tril else tril @ tril.T

@@ -232,12 +232,13 @@ class OnlineFilterResult(NamedTuple):
     """A snapshot of a streaming variational filter after ``T`` steps, state dimension ``d``.
 
     Attributes:
-        log_evidence: scalar, the running ELBO: a lower bound on ``log p(y_{1:T})``.
+        log_evidence: scalar, the running ELBO: a Monte Carlo estimate of a lower bound on
+            ``log p(y_{1:T})``.
         log_evidence_increments: ``(T,)`` its per-step terms.
-        ep_state: for EP, where the iteration stopped (:class:`EPState`), to warm-start another
-            run (``EPSmoother.smooth(ys, init=result)``); ``None`` otherwise.
         means: ``(T, d)`` means of the filtering marginals ``q_t(x_t)``.
         covariances: ``(T, d, d)`` their covariances.
+        log_evidence_standard_error: scalar, the Monte Carlo standard error of ``log_evidence``
+            (``None`` when not known).
 
     Example:
         >>> import torch
@@ -251,3 +252,4 @@ class OnlineFilterResult(NamedTuple):
     log_evidence_increments: Tensor
     means: Tensor
     covariances: Tensor
+    log_evidence_standard_error: Optional[Tensor] = None

@@ -199,7 +199,7 @@ def test_smcelbo_reports_collapsed_weights_once():
     assert sum(issubclass(r.category, ParticleDegeneracyWarning) for r in record) == 1
 
 
-@pytest.mark.parametrize("case", ["bigger_than_event", "scalar_into_event", "bigger_than_plate"])
+@pytest.mark.parametrize("case", ["bigger_than_event", "scalar_into_event", "bigger_than_plate", "scalar_into_plate"])
 def test_an_observation_that_does_not_fit_its_site_is_an_error(case):
     """Before (found by the property suite): Pyro broadcast the observation up, so a (2,) value
     of a one-coordinate site scored two observations of it, and a scalar of a 2-d site scored one
@@ -222,7 +222,12 @@ def test_an_observation_that_does_not_fit_its_site_is_an_error(case):
                 pyro.sample(f"y_{self.t}", dist.Normal(state["x"], 1.0, validate_args=False).to_event(1), obs=y)
             self.t += 1
 
-    dim, ys, plate = {"bigger_than_event": (1, torch.zeros(3, 2), False), "scalar_into_event": (2, torch.zeros(3), False), "bigger_than_plate": (1, torch.zeros(3, 2), True)}[case]
+    dim, ys, plate = {
+        "bigger_than_event": (1, torch.zeros(3, 2), False),
+        "scalar_into_event": (2, torch.zeros(3), False),
+        "bigger_than_plate": (1, torch.zeros(3, 2), True),
+        "scalar_into_plate": (2, torch.zeros(3), True),
+    }[case]
     with pytest.raises(ValueError, match=r"the observation of site 'y_0' at time step 0 has shape .* which does not fit the site"):
         SMC(Model(dim, plate), num_particles=10, max_plate_nesting=int(plate)).run(ys)
     fitting = torch.zeros(3, 1) if dim == 1 else torch.zeros(3, 2)

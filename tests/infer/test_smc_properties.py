@@ -338,10 +338,8 @@ def test_property_invalid_observations_are_refused_naming_the_argument_or_step(c
         ys = torch.cat([ys, ys[:, :1]], -1)
         names = ["time step 0", "shape"]
     elif bad == "scalar_rows":
-        if e == 1 or model.plate:
-            # A (T,) series for a one-dim site: a scalar row and a (1,) row say the same. Inside a
-            # model plate Pyro broadcasts an observation along the plate (each entry observes the
-            # same value), as it does along the particles: allowed, as in Pyro.
+        if e == 1:
+            # A (T,) series for a one-dim site: a scalar row and a (1,) row say the same.
             return
         ys = ys[:, 0]
         names = ["time step 0", "shape"]
