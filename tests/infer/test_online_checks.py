@@ -7,6 +7,7 @@ parameters; and a non-finite mean, covariance or ELBO is an error naming the ste
 """
 
 import math
+import os
 import warnings
 
 import pyro
@@ -63,9 +64,15 @@ def _run(model, ys, seed, **kwargs):
 
 
 # Issue 26, case 4: num_iterations=5 at r = 1e-4 reported +3e17 against an exact log p(y) of -25.7.
+# The default 100 iterations at every r under PYRO_SMC_FULL=1; by default at the issue's r = 1e-4.
+FULL = os.environ.get("PYRO_SMC_FULL") == "1"
+
+
 @pytest.mark.parametrize("num_iterations", [1, 3, 5, 100])
 @pytest.mark.parametrize("r", [1e-4, 1e-2, 1.0])
 def test_running_elbo_is_below_the_kalman_evidence(num_iterations, r):
+    if num_iterations == 100 and r != 1e-4 and not FULL:
+        pytest.skip("the default settings at r = 1e-4 only (PYRO_SMC_FULL=1 runs all)")
     model = AR1(2, r=r)
     ys = model.simulate(8, seed=0)
     exact = float(model.kalman(ys).log_evidence)

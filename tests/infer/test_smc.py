@@ -595,10 +595,10 @@ def test_a_guide_that_counts_its_steps_stays_in_step_over_missing_observations(b
     ys[2] = math.nan  # predict-only
     ys[5, 0] = math.nan  # partly missing
     exact, _ = _kalman_with_partly_missing(ssm, ys)
-    B = 200
+    B = 100
     pyro.set_rng_seed(2)
     with torch.no_grad():
-        smc = SMC(ssm, _CountingGuide(ssm), num_particles=200, num_filters=B)
+        smc = SMC(ssm, _CountingGuide(ssm), num_particles=100, num_filters=B)
         smc.run(ys.expand(B, -1, -1), batched=True) if batched else smc.run(ys)
     ratio = (smc.log_evidence - exact).exp()
     assert abs(ratio.mean() - 1) < MC_SIGMAS * ratio.std() / math.sqrt(B)
