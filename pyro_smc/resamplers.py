@@ -55,7 +55,9 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import math
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -67,7 +69,11 @@ from pyro_smc.ops.weights import check_log_weights
 
 __all__ = [
     "INDEX_GRADIENT_MODES",
+    "GradientEstimator",
+    "Resampled",
     "Resampler",
+    "resample",
+    "estimator_of",
     "MultinomialResampler",
     "StratifiedResampler",
     "SystematicResampler",
@@ -102,31 +108,138 @@ def _gather(particles: Particles, index: Tensor) -> Particles:
     return out
 
 
-class Resampler:
-    """Base class. Subclasses implement ``__call__(particles, log_weights)``.
+class GradientEstimator(enum.Enum):
+    """Which estimator of the gradient of ``log Z`` a resampler asks :class:`~pyro_smc.SMC` for.
 
-    ``__call__`` takes a dict of state tensors, each ``(..., N, *event)``, and normalised
-    log-weights ``(..., N)`` (leading dims: independent filters).
+    * ``PATHWISE``: autodiff of whatever the resampler returns (index resampling with constant
+      new weights, soft, kernel and OT resampling).
+    * ``SCORE``: the Fisher-identity estimator: ``SMC`` detaches the proposal draws and adds their
+      score terms (``gradient="stop_gradient"`` of the index resamplers).
+    * ``MARGINAL_SCORE``: the same with the ``O(N^2)`` score of the marginal transition density
+      (``gradient="marginal_stop_gradient"``).
 
-    Returns:
-        ``(particles, log_weights)`` of the same shapes, the new log-weights normalised.
+    Example:
+        >>> from pyro_smc.resamplers import GradientEstimator, SystematicResampler
+        >>> SystematicResampler(gradient="stop_gradient").estimator
+        <GradientEstimator.SCORE: 'score'>
+    """
+
+    PATHWISE = "pathwise"
+    SCORE = "score"
+    MARGINAL_SCORE = "marginal_score"
+
+
+class Resampled(NamedTuple):
+    """What one resampling call found.
+
+    Attributes:
+        particles: the new state tensors, each ``(..., N, *event)`` as given.
+        log_weights: the normalised new log-weights ``(..., N)``.
+        ancestors: int64 ``(..., N)``, new particle ``i`` is old particle ``ancestors[..., i]``;
+            ``None`` for a resampler that moves particles instead of copying them (OT, kernel).
+        diagnostics: an iterative resampler's solve, with a bool ``converged`` of shape
+            ``log_weights.shape[:-1]`` (a :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` for
+            :class:`OTResampler`); ``None`` otherwise.
 
     Example:
         >>> import torch
-        >>> from pyro_smc.resamplers import Resampler, SystematicResampler
+        >>> from pyro_smc.resamplers import SystematicResampler
+        >>> out = SystematicResampler().resample({"x": torch.arange(4.0)}, torch.zeros(4).log_softmax(-1))
+        >>> out.ancestors.tolist(), out.diagnostics is None
+        ([0, 1, 2, 3], True)
+    """
+
+    particles: Particles
+    log_weights: Tensor
+    ancestors: Tensor | None = None
+    diagnostics: Any = None
+
+
+class Resampler:
+    """Base class of the resamplers. Subclasses implement :meth:`resample` (a plain resampler may
+    implement ``__call__`` instead).
+
+    A resampler maps a dict of state tensors, each ``(..., N, *event)``, and normalised
+    log-weights ``(..., N)`` (leading dims: independent filters) to new ones of the same shapes.
+    ``resampler(particles, log_weights)`` returns ``(particles, log_weights)``;
+    :meth:`resample` returns a :class:`Resampled` that also carries the ancestors and the
+    diagnostics, which is what :class:`~pyro_smc.SMC` reads. Three class attributes tell the
+    engine what to expect, so that it never probes an instance.
+
+    Attributes:
+        estimator: the :class:`GradientEstimator` the engine uses with this resampler.
+        draws_ancestors: :meth:`resample` returns ancestors (genealogy smoothing needs them).
+        reports_convergence: the resampler runs a solver that may emit
+            :class:`~pyro_smc.ops.sinkhorn.SinkhornConvergenceWarning`, which ``SMC`` prefixes
+            with the time step.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.resamplers import Resampled, Resampler, SystematicResampler
         >>> class KeepAll(Resampler):                      # never moves a particle
-        ...     def __call__(self, particles, log_weights):
-        ...         return particles, log_weights
+        ...     draws_ancestors = True
+        ...     def resample(self, particles, log_weights):
+        ...         ancestors = torch.arange(log_weights.shape[-1]).expand(log_weights.shape)
+        ...         return Resampled(particles, log_weights, ancestors)
+        >>> new, new_log_w = KeepAll()({"x": torch.zeros(3)}, torch.zeros(3))
         >>> KeepAll(), isinstance(SystematicResampler(), Resampler)
         (KeepAll(), True)
     """
 
+    estimator: GradientEstimator = GradientEstimator.PATHWISE
+    draws_ancestors: bool = False
+    reports_convergence: bool = False
+
+    def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
+        """Resamples; see the class docstring. The default wraps a subclass's ``__call__``."""
+        if type(self).__call__ is Resampler.__call__:
+            raise NotImplementedError(f"{type(self).__name__} must implement resample(particles, log_weights) or __call__")
+        new, new_log_w = self(particles, log_weights)
+        return Resampled(new, new_log_w)
+
     def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
-        raise NotImplementedError
+        out = self.resample(particles, log_weights)
+        return out.particles, out.log_weights
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
+
+
+def resample(resampler: Any, particles: Particles, log_weights: Tensor) -> Resampled:
+    """Runs any resampler: a :class:`Resampler` through :meth:`Resampler.resample`, a plain
+    callable ``resampler(particles, log_weights) -> (particles, log_weights)`` as a pathwise one
+    with no ancestors.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.resamplers import resample
+        >>> keep = lambda particles, log_weights: (particles, log_weights)
+        >>> resample(keep, {"x": torch.zeros(2)}, torch.zeros(2)).ancestors is None
+        True
+    """
+    if isinstance(resampler, Resampler):
+        return resampler.resample(particles, log_weights)
+    new, new_log_w = resampler(particles, log_weights)
+    return Resampled(new, new_log_w)
+
+
+def estimator_of(resampler: Any) -> GradientEstimator:
+    """The :class:`GradientEstimator` a resampler asks for (``PATHWISE`` for a plain callable).
+
+    Example:
+        >>> from pyro_smc.resamplers import OTResampler, estimator_of
+        >>> estimator_of(OTResampler()), estimator_of(lambda p, w: (p, w))
+        (<GradientEstimator.PATHWISE: 'pathwise'>, <GradientEstimator.PATHWISE: 'pathwise'>)
+    """
+    return resampler.estimator if isinstance(resampler, Resampler) else GradientEstimator.PATHWISE
+
+
+_INDEX_ESTIMATORS = {
+    "detach": GradientEstimator.PATHWISE,
+    "stop_gradient": GradientEstimator.SCORE,
+    "marginal_stop_gradient": GradientEstimator.MARGINAL_SCORE,
+}
 
 
 class _IndexResampler(Resampler):
@@ -167,20 +280,28 @@ class _IndexResampler(Resampler):
         """The ancestors of the last call (see the class docstring)."""
         return self._last_ancestors
 
+    draws_ancestors = True
+
     def __init__(self, gradient: str | None = "detach"):
         gradient = "detach" if gradient is None else gradient
         if gradient not in INDEX_GRADIENT_MODES:
             raise ValueError(f"gradient must be one of {INDEX_GRADIENT_MODES} (or None), got {gradient!r}")
         self.gradient = gradient
 
-    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+    @property
+    def estimator(self) -> GradientEstimator:  # type: ignore[override]
+        """``SCORE`` for ``gradient="stop_gradient"``, ``MARGINAL_SCORE`` for
+        ``"marginal_stop_gradient"``, else ``PATHWISE``."""
+        return _INDEX_ESTIMATORS[self.gradient]
+
+    def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
         _check_particles(particles, log_weights)
         index = self._scheme(log_weights)
         self._last_ancestors = index
         n = log_weights.shape[-1]
         if self.gradient in ("stop_gradient", "marginal_stop_gradient"):
-            return _gather(particles, index), _resample.stop_gradient_log_weights(log_weights, index)
-        return _gather(particles, index), torch.full_like(log_weights, -math.log(n))
+            return Resampled(_gather(particles, index), _resample.stop_gradient_log_weights(log_weights, index), index)
+        return Resampled(_gather(particles, index), torch.full_like(log_weights, -math.log(n)), index)
 
 
 class MultinomialResampler(_IndexResampler):
@@ -344,6 +465,7 @@ class SoftResampler(Resampler):
     """
 
     _last_ancestors: Tensor | None = None
+    draws_ancestors = True
 
     def __init__(self, alpha: float = 0.5):
         self.alpha = _check_unit_interval("alpha", alpha)
@@ -353,7 +475,7 @@ class SoftResampler(Resampler):
         """The ancestors of the last call (see the class docstring)."""
         return self._last_ancestors
 
-    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+    def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
         _check_particles(particles, log_weights)
         n = log_weights.shape[-1]
         # alpha = 1 (plain multinomial) leaves no uniform part: its log-weight is -inf, not an error.
@@ -362,7 +484,7 @@ class SoftResampler(Resampler):
         index = _resample.multinomial(log_mix)
         self._last_ancestors = index
         new_log_w = (log_weights - log_mix).gather(-1, index)
-        return _gather(particles, index), new_log_w - new_log_w.logsumexp(-1, keepdim=True)
+        return Resampled(_gather(particles, index), new_log_w - new_log_w.logsumexp(-1, keepdim=True), index)
 
 
 class OTResampler(Resampler):
@@ -463,7 +585,9 @@ class OTResampler(Resampler):
         """Diagnostics of the last call's Sinkhorn solve (see the class docstring)."""
         return self._last_result
 
-    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+    reports_convergence = True
+
+    def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
         _check_particles(particles, log_weights)
         batch = log_weights.shape
         floats = {k: v for k, v in particles.items() if v.is_floating_point()}
@@ -472,7 +596,7 @@ class OTResampler(Resampler):
             # Nothing to transport: with zero cost the entropic plan is the independent coupling
             # P = (1/N) w^T, whose rows draw ancestors by the weights (multinomial resampling).
             index = _resample.multinomial(log_weights)
-            return _gather(particles, index), torch.full_like(log_weights, -math.log(batch[-1]))
+            return Resampled(_gather(particles, index), torch.full_like(log_weights, -math.log(batch[-1])), index)
         flat = [v.reshape(batch + (-1,)) for v in floats.values()]
         x = torch.cat(flat, -1) if len(flat) > 1 else flat[0]
         x = x.to(log_weights.dtype) if x.dtype != log_weights.dtype else x
@@ -487,7 +611,7 @@ class OTResampler(Resampler):
         others = {k: v for k, v in particles.items() if k not in floats}
         if others:
             out.update(_gather(others, _ancestors_from_plan(plan.detach())))
-        return out, torch.full_like(log_weights, -math.log(batch[-1]))
+        return Resampled(out, torch.full_like(log_weights, -math.log(batch[-1])), diagnostics=self._last_result)
 
 
 _KERNEL_SCHEMES = {"systematic": _resample.systematic, "multinomial": _resample.multinomial}
@@ -546,10 +670,6 @@ class KernelResampler(Resampler):
             their weights; the particles are then not independent, but each sum over them is
             still unbiased for ``m``) or ``"multinomial"`` (``x~_i`` i.i.d. from ``m``).
 
-    Attributes:
-        gradient: ``"mixture"``, so that ``SMC`` treats this as a differentiable resampler and not
-            as a stop-gradient (Fisher-identity) one.
-
     Example:
         >>> import torch
         >>> from pyro_smc.resamplers import KernelResampler
@@ -565,8 +685,6 @@ class KernelResampler(Resampler):
         A. Younis, E. Sudderth (2023). Differentiable and Stable Long-Range Tracking of Multiple
         Posterior Modes. NeurIPS. arXiv:2404.08789.
     """
-
-    gradient = "mixture"
 
     def __init__(self, bandwidth: float | str | Tensor = "silverman", scheme: str = "systematic"):
         if isinstance(bandwidth, str):
@@ -585,7 +703,7 @@ class KernelResampler(Resampler):
         self.bandwidth = bandwidth
         self.scheme = scheme
 
-    def __call__(self, particles: Particles, log_weights: Tensor) -> tuple[Particles, Tensor]:
+    def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
         _check_particles(particles, log_weights)
         check_log_weights(log_weights)
         batch, n = log_weights.shape, log_weights.shape[-1]
@@ -614,7 +732,7 @@ class KernelResampler(Resampler):
             width = piece.shape[-1]
             out[key] = x_new[..., start : start + width].reshape(value.shape).to(value.dtype)
             start += width
-        return {k: out[k] for k in particles}, delta - math.log(n)
+        return Resampled({k: out[k] for k in particles}, delta - math.log(n))
 
     def _bandwidth(self, x: Tensor, log_weights: Tensor) -> Tensor:
         """The bandwidth, shape ``batch + (D,)`` (``batch = log_weights.shape[:-1]``)."""

@@ -72,7 +72,8 @@ from pyro_smc.infer.ep_parallel import iterate_parallel, parallel_implicit_gradi
 from pyro_smc.infer.ep_sites import Natural, _improper, _in_sweep, _non_finite, _Sites, failure_hint, site_name
 from pyro_smc.infer.gaussian_smoothers import observation_status, observed_moments
 from pyro_smc.infer.projections import Projection, as_projection
-from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
+from pyro_smc.models.protocol import GaussianStateSpaceModel
+from pyro_smc.observations import check_observations
 from pyro_smc.ops.gaussian import NotPositiveDefiniteError, check_finite_steps, is_proper, symmetrize, to_moment, to_natural
 from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.kalman import predict, update

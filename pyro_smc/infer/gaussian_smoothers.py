@@ -51,7 +51,8 @@ from torch import Tensor
 
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.projections import Projection, Unscented, as_projection
-from pyro_smc.models.protocol import GaussianStateSpaceModel, check_observations
+from pyro_smc.models.protocol import GaussianStateSpaceModel
+from pyro_smc.observations import check_observations
 from pyro_smc.ops.gaussian import check_finite_steps, symmetrize
 from pyro_smc.ops.results import GaussianSmootherResult
 

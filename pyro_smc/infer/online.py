@@ -67,7 +67,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pyro_smc.guides.streaming_family import GaussianKernel, StreamingFamily, gaussian, marginal_covariance
-from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
+from pyro_smc.infer.model_state import plain_attributes, restore_attributes, rng_state, set_rng_state
 from pyro_smc.infer.online_checks import (
     EXTRAPOLATION_LIMIT,
     OnlineFilterWarning,
@@ -84,7 +84,7 @@ from pyro_smc.infer.online_init import initialise
 from pyro_smc.infer.online_learning import ParameterLearner, model_parameter_names, robbins_monro
 from pyro_smc.infer.online_objective import StepOptimiser, draw, increment
 from pyro_smc.infer.regression import QuadraticRegressor, Regressor, make_regressor
-from pyro_smc.models.protocol import check_observations
+from pyro_smc.observations import check_observations
 from pyro_smc.ops.results import OnlineFilterResult
 from pyro_smc.tracing import module_context
 

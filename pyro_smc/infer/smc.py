@@ -103,7 +103,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pyro_smc.gp import pinned_posteriors
-from pyro_smc.infer.checkpoint import plain_attributes
+from pyro_smc.infer.model_state import plain_attributes
 from pyro_smc.infer.smc_checks import (
     NonReparameterizedGradientWarning,
     ParticleDegeneracyWarning,
@@ -135,7 +135,7 @@ from pyro_smc.ops.results import SMCResult
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.ops.weights import all_finite
 from pyro_smc.ops.weights import ess as _ess
-from pyro_smc.resamplers import OTResampler, SystematicResampler
+from pyro_smc.resamplers import Resampled, Resampler, SystematicResampler, resample
 from pyro_smc.tracing import check_observed_shapes, detach_latent_draws, is_latent, is_scored, module_context, replay_where
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning", "ParticleDegeneracyWarning"]
@@ -522,7 +522,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             raise RuntimeError("SMC has not taken a step; call run(observations) (or init() and step()) before smooth")
         if method in ("ffbs", "rejection") and self.max_plate_nesting:
             raise ValueError(f"method={method!r} needs max_plate_nesting == 0 (got {self.max_plate_nesting}): steps with model plates are not supported")
-        has_ancestors = hasattr(self.resampler, "last_ancestors")
+        has_ancestors = isinstance(self.resampler, Resampler) and self.resampler.draws_ancestors
         return smoothing.smooth(self._history, num_samples, method, self._layout, has_ancestors, max_rounds=max_rounds)
 
     def get_empirical(self) -> dict[str, dist.Empirical]:
@@ -718,9 +718,9 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         need = ess < self.ess_threshold * self.num_particles
         self._step_converged = None
         if self.state and bool(need.any()):
-            self._resample(need, where)
+            ancestors = self._resample(need, where)
             if record is not None:
-                smoothing.record_resampling(record, need, getattr(self.resampler, "last_ancestors", None), self._layout)
+                smoothing.record_resampling(record, need, ancestors, self._layout)
         if where != "init":
             self._resampled.append(need if self.state else torch.zeros_like(need))
             if self._step_converged is not None and self._converged is None:
@@ -729,7 +729,7 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
             if self._converged is not None:
                 self._converged.append(torch.ones_like(need) if self._step_converged is None else self._step_converged)
 
-    def _resample(self, need: Tensor, where: str) -> None:
+    def _resample(self, need: Tensor, where: str) -> Tensor | None:
         particles = self._batched_state()
         # A float-coded label (dist.Bernoulli's 0./1.) travels as an integer tensor, which every
         # resampler copies from one ancestor instead of averaging it.
@@ -737,24 +737,25 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         for key in labels:
             particles[key] = particles[key].long()
         if bool(need.all()):
-            new, new_log_w = self._call_resampler(particles, self.log_weights, where)
+            out = self._call_resampler(particles, self.log_weights, where)
+            new, new_log_w = out.particles, out.log_weights
         else:
             idx = need.nonzero().squeeze(-1)
-            sub, sub_log_w = self._call_resampler({k: v[idx] for k, v in particles.items()}, self.log_weights[idx], where)
-            new = {k: particles[k].index_put((idx,), sub[k]) for k in particles}
-            new_log_w = self.log_weights.index_put((idx,), sub_log_w)
+            out = self._call_resampler({k: v[idx] for k, v in particles.items()}, self.log_weights[idx], where)
+            new = {k: particles[k].index_put((idx,), out.particles[k]) for k in particles}
+            new_log_w = self.log_weights.index_put((idx,), out.log_weights)
         self.log_weights = new_log_w
         for key, value in new.items():
             if key in labels:
                 value = value.to(labels[key])
             dict.__setitem__(self.state, key, value if self.num_filters > 1 else value.squeeze(0))
-        # An iterative resampler (OTResampler) reports its last solve, one entry per filter it saw.
-        solve = getattr(self.resampler, "last_result", None)
-        if solve is not None:
+        # An iterative resampler (OTResampler) reports its solve, one entry per filter it saw.
+        if out.diagnostics is not None:
             converged = torch.ones_like(need)
-            self._step_converged = converged.masked_scatter(need, solve.converged.reshape(-1).to(need.device))
+            self._step_converged = converged.masked_scatter(need, out.diagnostics.converged.reshape(-1).to(need.device))
+        return out.ancestors
 
-    def _call_resampler(self, particles: dict[str, Tensor], log_weights: Tensor, where: str) -> tuple[dict[str, Tensor], Tensor]:
+    def _call_resampler(self, particles: dict[str, Tensor], log_weights: Tensor, where: str) -> Resampled:
         """Calls the resampler, prefixing its Sinkhorn convergence warnings with ``where``.
 
         The solver cannot know the time step; the user needs it to find the hard step. Only
@@ -762,13 +763,13 @@ class SMC(ScoreFunctionMixin, SMCCheckpointMixin):
         microseconds and, by mutating the warning filters, resets Python's once-per-location
         bookkeeping of every warning.
         """
-        if not (isinstance(self.resampler, OTResampler) or getattr(self.resampler, "emits_convergence_warnings", False)):
-            return self.resampler(particles, log_weights)
+        if not (isinstance(self.resampler, Resampler) and self.resampler.reports_convergence):
+            return resample(self.resampler, particles, log_weights)
         caught: list[warnings.WarningMessage] = []
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", SinkhornConvergenceWarning)
-                return self.resampler(particles, log_weights)
+                return resample(self.resampler, particles, log_weights)
         finally:
             # Re-emitted after the block has restored the user's filters, so they apply (an
             # "error" filter raises here, pytest.warns sees them); also when the resampler raised.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pyro_smc.infer import smc_smoothing as smoothing
-from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes, rng_state, set_rng_state
+from pyro_smc.infer.model_state import plain_attributes, restore_attributes, rng_state, set_rng_state
 
 __all__ = ["SMCCheckpointMixin"]
 

@@ -18,9 +18,10 @@ import pyro.poutine as poutine
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.checkpoint import plain_attributes, restore_attributes
+from pyro_smc.infer.model_state import plain_attributes, restore_attributes
 from pyro_smc.infer.smc_weights import pairwise_transition_log_density
 from pyro_smc.ops.resample import log_mixture_density
+from pyro_smc.resamplers import GradientEstimator, estimator_of
 from pyro_smc.tracing import is_latent
 
 __all__ = ["ScoreFunctionMixin"]
@@ -39,7 +40,7 @@ class ScoreFunctionMixin:
         marginal transition's score instead; see :attr:`marginal`). See
         ``docs/math/smc.md#stop-gradient-resampling``.
         """
-        return getattr(self.resampler, "gradient", None) in ("stop_gradient", "marginal_stop_gradient")
+        return estimator_of(self.resampler) in (GradientEstimator.SCORE, GradientEstimator.MARGINAL_SCORE)
 
     @property
     def marginal(self) -> bool:
@@ -50,7 +51,7 @@ class ScoreFunctionMixin:
         previous (gradient-carrying) log-weights, in place of the single-ancestor score and of the
         previous log-weight's own gradient. See ``docs/math/smc.md#marginal-stop-gradient``.
         """
-        return getattr(self.resampler, "gradient", None) == "marginal_stop_gradient"
+        return estimator_of(self.resampler) is GradientEstimator.MARGINAL_SCORE
 
     def _marginal_scores(self, model_fn, model_trace, before, args, kwargs, where: str) -> Tensor | None:
         """``m_i - stop_grad(m_i)`` for the step just traced; detaches the previous log-weights,

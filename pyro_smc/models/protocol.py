@@ -19,14 +19,7 @@ posterior with exact moments (``predict``, ``predict_moments``, ``linearize``, a
 the same maps pointwise as ``(mean, variance or None)``. Both protocols are
 ``runtime_checkable``: ``isinstance(model, GaussianStateSpaceModel)`` checks the members exist.
 
-Missing observations (one rule for every engine). At step ``t``:
-
-* an observation that is ``None``, or a tensor whose entries are all NaN, is missing: the engine
-  predicts and does not update, and the step adds nothing to the log-evidence;
-* a vector observation with some NaN entries: the Gaussian engines (and ``ops.kalman``) condition
-  on the observed entries only, with the exact Gaussian marginal of those entries (the rows of the
-  observation map and the block of the noise covariance that belong to them);
-* ``inf`` anywhere is an error naming the time step.
+Missing observations follow one rule in every engine, written in :mod:`pyro_smc.observations`.
 
 Example:
     >>> import torch
@@ -36,20 +29,16 @@ Example:
     >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2, dtype=torch.float64), eye)
     >>> isinstance(ssm, StateSpaceModel), isinstance(ssm, GaussianStateSpaceModel)
     (True, True)
-    >>> ys, observed = check_observations([torch.ones(2, dtype=torch.float64), None], 2, like=eye)
-    >>> observed.tolist()
-    [[True, True], [False, False]]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-__all__ = ["GaussianStateSpaceModel", "StateSpaceModel", "check_observations"]
+__all__ = ["GaussianStateSpaceModel", "StateSpaceModel"]
 
 
 class _ModuleProtocolMeta(type(Protocol)):
@@ -146,54 +135,3 @@ class GaussianStateSpaceModel(StateSpaceModel, Protocol):
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]: ...
 
     def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]: ...
-
-
-def check_observations(observations: Tensor | Sequence[Tensor | None], obs_dim: int, like: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Validates observations and marks the observed entries (the rule in the module docstring).
-
-    Args:
-        observations: ``(T, e)`` (or ``(T,)`` when ``e = 1``) with NaN for missing entries, or a
-            sequence of ``T`` tensors ``(e,)`` or ``None``; ``T >= 1``.
-        obs_dim: ``e``.
-        like: a tensor of the model (its ``init_mean``): the observations must have its dtype and
-            device, and a sequence's missing steps take them (otherwise the first tensor's).
-
-    Returns:
-        ``(observations (T, e), observed (T, e) bool)``.
-
-    Raises:
-        ValueError: wrong type or shape, no time step, a dtype or device other than ``like``'s, or
-            an ``inf`` (naming the first time step with one).
-    """
-    if not isinstance(observations, Tensor):
-        if not isinstance(observations, Sequence):
-            raise ValueError(f"observations must be a tensor of shape (T, {obs_dim}) or a sequence of tensors and None, got {type(observations).__name__}")
-        ref = next((y for y in observations if isinstance(y, Tensor)), like)
-        if ref is None:
-            raise ValueError("observations: a sequence of only None needs like= for its dtype and device")
-        missing = torch.full((obs_dim,), float("nan"), dtype=ref.dtype, device=ref.device)
-        rows = []
-        for t, y in enumerate(observations):
-            if y is not None and not isinstance(y, Tensor):
-                raise ValueError(f"observations[{t}] must be a tensor or None, got {type(y).__name__}")
-            rows.append(missing if y is None else y.reshape(-1))
-            if rows[-1].shape != missing.shape:
-                raise ValueError(f"observations[{t}] must have shape ({obs_dim},), got {tuple(y.shape)}")
-            if rows[-1].dtype != missing.dtype:
-                raise ValueError(f"observations[{t}] has dtype {rows[-1].dtype}, the others {missing.dtype}: give every step one dtype")
-        observations = torch.stack(rows) if rows else missing.new_zeros(0, obs_dim)
-    if observations.dim() == 1 and obs_dim == 1:
-        observations = observations.unsqueeze(-1)
-    if observations.dim() != 2 or observations.shape[-1] != obs_dim:
-        raise ValueError(f"observations must have shape (T, {obs_dim}), got {tuple(observations.shape)}")
-    if observations.shape[0] == 0:
-        raise ValueError(f"observations must have at least one time step, got shape {tuple(observations.shape)}")
-    if like is not None and (observations.dtype != like.dtype or observations.device != like.device):
-        raise ValueError(
-            f"observations have dtype {observations.dtype} on {observations.device}, but the model's tensors are {like.dtype} on "
-            f"{like.device}: convert the data, observations.to({like.dtype}) (or .to(ssm.init_mean) for dtype and device), or build the model in {observations.dtype}"
-        )
-    bad = torch.isinf(observations).any(-1)
-    if bool(bad.any()):
-        raise ValueError(f"observations contain inf at time step {int(bad.nonzero()[0, 0])} (use NaN for a missing measurement)")
-    return observations, ~torch.isnan(observations)

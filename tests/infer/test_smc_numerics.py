@@ -18,7 +18,7 @@ from pyro_smc import SMC, SMCELBO
 from pyro_smc.infer.smc import NonReparameterizedGradientWarning, SMCFailedError
 from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
-from pyro_smc.resamplers import OTResampler, SystematicResampler
+from pyro_smc.resamplers import OTResampler, Resampler, SystematicResampler
 from tests.cases import DTYPE_IDS, DTYPES, ar1_ssm, as_float64, isotropic_lgssm
 from tests.tolerances import MC_SIGMAS
 
@@ -250,11 +250,11 @@ def test_no_warning_where_gradients_are_complete(case):
 
 
 # --- (C) Sinkhorn convergence warnings name the time step -------------------------------------
-class _NonConvergingResampler:
+class _NonConvergingResampler(Resampler):
     """Systematic resampling that reports a Sinkhorn solve above its threshold, and one
     unrelated warning that must pass through unchanged."""
 
-    emits_convergence_warnings = True
+    reports_convergence = True
 
     def __init__(self):
         self.inner = SystematicResampler()

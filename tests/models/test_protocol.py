@@ -7,7 +7,6 @@ import torch
 from pyro_smc import SMC, EPSmoother
 from pyro_smc.infer import gaussian_filter, gaussian_smoother
 from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, GaussianStateSpaceModel, LinearGaussianSSM, NonlinearGaussianSSM, StateSpaceModel, time_dependent
-from pyro_smc.models.protocol import check_observations
 from tests.cases import assert_same_marginals
 
 PROJECTIONS = ["linearization", "unscented", "moment_matching"]
@@ -100,22 +99,3 @@ def test_diagonal_model_keeps_its_gradient_through_the_gaussian_engines():
     _, ys = model.simulate(6, generator=torch.Generator().manual_seed(4))
     gaussian_filter(model, ys, "linearization").log_evidence.backward()
     assert model.transition_diag.unconstrained().grad is not None
-
-
-def test_check_observations_applies_the_missing_data_rule():
-    like = torch.zeros(1, dtype=torch.float32)
-    ys, observed = check_observations([torch.tensor([1.0, float("nan")]), None], 2)
-    assert ys.dtype == torch.float64 and observed.tolist() == [[True, False], [False, False]]
-    ys, observed = check_observations([None, None], 2, like=like)
-    assert ys.dtype == torch.float32 and not observed.any()
-    # The model's dtype is the data's: float64 data for a float32 model is an error saying so.
-    with pytest.raises(ValueError, match=r"observations have dtype torch.float64.*torch.float32.*\.to\("):
-        check_observations([torch.tensor([1.0, float("nan")]), None], 2, like=like)
-    with pytest.raises(ValueError, match="at least one time step"):
-        check_observations([], 2, like=like)
-    with pytest.raises(ValueError, match="time step 1"):
-        check_observations(torch.tensor([[0.0], [float("inf")]]), 1)
-    with pytest.raises(ValueError, match=r"observations\[1\]"):
-        check_observations([torch.zeros(2), torch.zeros(3)], 2)
-    with pytest.raises(ValueError, match="shape"):
-        check_observations(torch.zeros(4, 3), 2)
