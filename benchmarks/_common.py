@@ -1,9 +1,11 @@
 """Shared helpers for the benchmark scripts: timing, machine info, result files, the summary record.
 
-Not a benchmark itself. Every script in this folder imports it as ``_common`` (the folder is
-``sys.path[0]`` when a script is run as ``python benchmarks/<name>.py``). ``summarize.py`` imports it
-too, for the summary record; torch is therefore imported inside the functions that need it, so the
-summary table is built without loading torch.
+Not a benchmark itself. The scripts live in one folder per engine (``benchmarks/<group>/bench_*.py``)
+and import it as ``benchmarks._common``: each puts the repository root on ``sys.path`` first, so
+``python benchmarks/<group>/<name>.py`` works from any directory. A script writes one result file,
+``results/<group>/<name>.json`` (``--quick`` runs go to a scratch folder instead, never into git).
+``summarize.py`` imports this module too, for the summary record; torch is therefore imported inside
+the functions that need it, so the summary table is built without loading torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +25,28 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+# --quick (smoke) runs write here: outside the repository, so they never overwrite or sit beside a full run.
+SCRATCH = Path(tempfile.gettempdir()) / "pyro_smc_benchmarks"
+
+
+def group() -> str:
+    """The engine folder of the running script (``"smc"`` for ``benchmarks/smc/bench_smcfilter.py``)."""
+    folder = Path(sys.argv[0]).resolve().parent
+    return folder.name if folder.parent == HERE else ""
+
+
+def result_path(name: str, quick: bool | None = None) -> Path:
+    """``results/<group>/<name>.json`` of the running script; under ``--quick`` the same path below
+    :data:`SCRATCH` instead."""
+    quick = "--quick" in sys.argv if quick is None else quick
+    return (SCRATCH if quick else RESULTS) / group() / f"{name}.json"
+
+
+def result_stem(path: Path) -> str:
+    """``"<group>/<name>"`` of a result path, as the summary record's run cell names it."""
+    return f"{path.parent.name}/{path.stem}" if path.parent.parent in (RESULTS, SCRATCH) else path.stem
 
 
 def add_common_args(parser) -> None:
@@ -187,18 +211,29 @@ def print_rotated_timing(timing: dict, title: str, block: dict | None = None) ->
                       f"({timing['wall_s']:.0f} s; 1-min load average {la[0]} -> {la[1]})")
 
 
-def merge_timing(path: Path, timing: dict, compute_goals, new: dict, summary=None, label: str | None = None) -> dict:
+def merge_timing(path: Path, timing: dict, compute_goals, new: dict, summary=None, label: str | None = None, run: str | None = None) -> dict:
     """Puts a fresh interleaved ``timing`` (and the goals recomputed from the stored ``"summary"``)
-    into the result file ``path``, created from ``new`` if missing; returns the file's content.
+    into the result file ``path``, created from ``new`` if missing; returns the (run's) content.
     With ``summary`` (as in :func:`write_results`) the summary record is recomputed too, since the
-    table's time ratios come from ``timing``."""
-    data = json.loads(path.read_text()) if path.exists() else dict(new)
+    table's time ratios come from ``timing``. With ``run``, the timing goes into that run of a
+    file holding several (:func:`write_results`)."""
+    whole = json.loads(path.read_text()) if path.exists() else None
+    if run is None:
+        data = whole if whole is not None else dict(new)
+    else:
+        whole = whole if whole is not None and "runs" in whole else {"benchmark": path.stem, "runs": {}}
+        data = whole["runs"].setdefault(run, dict(new))
     data["timing_interleaved"] = dict(timing, machine=machine_info())
     data["goals"] = compute_goals(data.get("summary"), timing)
     if summary is not None:
-        data[SUMMARY_KEY] = summary_record(path.name[: -len(".json")], data, summary, label=label)
+        data[SUMMARY_KEY] = summary_record(result_stem(path), data, summary, label=label)
+    if run is not None:
+        whole[SUMMARY_KEY] = combine_records([r[SUMMARY_KEY] for r in whole["runs"].values() if SUMMARY_KEY in r])
+        out = whole
+    else:
+        out = data
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    path.write_text(json.dumps(out, indent=2, default=float) + "\n")
     return data
 
 
@@ -209,17 +244,30 @@ def load_average() -> list[float] | None:
         return None
 
 
-def write_results(name: str, payload: dict, dtype: torch.dtype | None = None, summary=None, label: str | None = None) -> Path:
-    """Writes ``results/<name>.json`` (``<name>.quick.json`` under ``--quick``): the run's command and
-    machine, then ``payload``, then (given ``summary``, the script's ``data -> cells`` function) its
-    :func:`summary_record` under :data:`SUMMARY_KEY`, computed from exactly what is written."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    if "--quick" in sys.argv:
-        name = f"{name}.quick"  # smoke runs never overwrite the full results
+def write_results(name: str, payload: dict, dtype: torch.dtype | None = None, summary=None, label: str | None = None,
+                  run: str | None = None, scratch: bool = False) -> Path:
+    """Writes ``results/<group>/<name>.json`` (:func:`result_path`; a scratch file under ``--quick``):
+    the run's command and machine, then ``payload``, then (given ``summary``, the script's
+    ``data -> cells`` function) its :func:`summary_record` under :data:`SUMMARY_KEY`, computed from
+    exactly what is written.
+
+    A script whose modes each make a row of the table (the MLP and the conv net of the digits BNN)
+    passes ``run`` (and ``label``): the file then holds ``{"benchmark", "runs": {run: content}}``,
+    this call replacing only its own run, and its summary record joins the runs' records
+    (:func:`combine_records`). ``scratch`` sends a diagnostic mode that no document cites to the
+    scratch folder, as ``--quick`` does."""
+    path = result_path(name, quick=True if scratch else None)
+    path.parent.mkdir(parents=True, exist_ok=True)
     out = {"benchmark": name, "command": command(), "machine": machine_info(dtype), **payload}
     if summary is not None:
-        out[SUMMARY_KEY] = summary_record(name, out, summary, label=label)
-    path = RESULTS / f"{name}.json"
+        out[SUMMARY_KEY] = summary_record(result_stem(path), out, summary, label=label)
+    if run is not None:
+        whole = json.loads(path.read_text()) if path.exists() else {}
+        if "runs" not in whole:
+            whole = {"benchmark": name, "runs": {}}
+        whole["runs"][run] = out
+        whole[SUMMARY_KEY] = combine_records([r[SUMMARY_KEY] for r in whole["runs"].values() if SUMMARY_KEY in r])
+        out = whole
     path.write_text(json.dumps(out, indent=2, default=float) + "\n")
     print(f"\nwrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
     return path
@@ -258,7 +306,7 @@ def summary_record(stem: str, data: dict, cells, label: str | None = None, scrip
     """The summary record of the result file ``results/<stem>.json`` whose content is ``data``.
 
     Args:
-        stem: the file name without ``.json`` (``"bnn_digits"``, ``"bnn_digits.quick"``).
+        stem: the file's path below ``results/`` without ``.json`` (``"kronecker/bnn_digits"``).
         data: the whole JSON object written to that file (the run cell reads its ``command``,
             date, ``git_head``, ``device`` and ``finished``).
         cells: ``data -> {"ours", "anchor", "comparison", "goal", "met"}`` (strings; ``ours`` is the
@@ -301,6 +349,17 @@ def check_record(record) -> list[str]:
     if isinstance(record.get("ours"), str) and not record["ours"]:
         problems.append("cell 'ours' is empty")
     return problems
+
+
+def combine_records(records: list[dict]) -> dict:
+    """One record for a file holding several runs: each cell joins the runs' cells, ``label: cell``,
+    with ``<br>`` (one record is returned as it is)."""
+    if len(records) == 1:
+        return records[0]
+    out = {"schema": SUMMARY_SCHEMA, "script": records[0]["script"], "label": None}
+    for c in SUMMARY_CELLS:
+        out[c] = "<br>".join(f"{r.get('label') or '?'}: {r[c]}" for r in records if r.get(c))
+    return out
 
 
 def run_cell(data: dict, stem: str) -> str:

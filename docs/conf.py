@@ -94,14 +94,16 @@ html_static_path: list[str] = []
 
 # --- nitpicky mode -------------------------------------------------------------------------------
 nitpicky = True
-nitpick_ignore: list[tuple[str, str]] = []
+# The offline Python inventory in docs/_inventories has no entry for enum.Enum and enum.IntEnum
+# (the bases of GradientEstimator and ObservationStatus).
+nitpick_ignore: list[tuple[str, str]] = [("py:class", "enum.Enum"), ("py:class", "enum.IntEnum")]
 nitpick_ignore_regex: list[tuple[str, str]] = []
 
 
 # --- references to other names of a documented object --------------------------------------------
 # Every public object is documented once, under the name users import it by (pyro_smc.SMC,
 # pyro_smc.ops.results.FilterResult, ...), but docstrings and signatures may name it by its
-# defining module (pyro_smc.infer.smc.SMC), by another module that re-exports it
+# defining module (pyro_smc.infer.smc.engine.SMC), by another module that re-exports it
 # (pyro_smc.infer.SMC), or by a bare name that resolves in the docstring's own module. The
 # handler below imports what the reference names and, when it is an object documented under
 # another name, links there. ALIASES renames the few external spellings that signatures show
@@ -113,6 +115,8 @@ ALIASES = {
     "Size": "torch.Size",
     "torch._C.Generator": "torch.Generator",
     "ExpandedDistribution": "pyro.distributions.torch_distribution.ExpandedDistribution",
+    # pyro_smc.resamplers.base.Particles, the alias dict[str, Tensor] of a particle dict.
+    "Particles": "dict",
 }
 
 
@@ -183,9 +187,8 @@ def _missing_reference(app, env, node, contnode):
 
 
 # --- base classes --------------------------------------------------------------------------------
-# "Bases:" lines show public classes only: a private base (_IndexResampler) or a mixin from an
-# implementation module (SMC's ScoreFunctionMixin, whose methods are documented on SMC itself
-# through :inherited-members:) is replaced by its own bases.
+# "Bases:" lines show public classes only: a private base, or a base from an implementation module
+# that users never import, is replaced by its own bases.
 PUBLIC_MODULES = [
     "pyro_smc",
     "pyro_smc.infer",

@@ -19,7 +19,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["boolean", "nonnegative_float", "positive_float", "positive_int", "unit_interval"]
+__all__ = ["boolean", "int_at_least", "nonnegative_float", "positive_float", "positive_int", "unit_interval"]
 
 
 def _is_real(value: Any) -> bool:
@@ -34,8 +34,18 @@ def positive_int(name: str, value: Any) -> int:
         >>> positive_int("max_iter", 10)
         10
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int_at_least(name, value, 1)
+
+
+def int_at_least(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an ``int >= minimum`` (a count that may be zero, a sample size of at least 2).
+
+    Example:
+        >>> int_at_least("num_iterations", 0, minimum=0)
+        0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 

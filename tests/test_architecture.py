@@ -135,9 +135,9 @@ def test_a_misplaced_test_file_is_reported():
     # tests/infer/test_weights.py failed the test above.
     wrong = ["ops/test_smc.py", "infer/test_weights.py", "ops/test_resampled.py", "test_misc.py", "guides/test_properties.py"]
     assert _misplaced(wrong) == sorted(wrong)
-    right = ["ops/test_resample.py", "ops/test_weights.py", "infer/test_smc_numerics.py", "infer/test_smc_elbo.py", "test_resamplers_ot_discrete_state.py"]
+    right = ["ops/test_resample.py", "ops/test_weights.py", "infer/smc/test_step_numerics.py", "infer/smc/test_elbo.py", "resamplers/test_ot_discrete_state.py"]
     assert _misplaced(right) == []
-    assert _tested_module("infer/test_smc_elbo.py") == PACKAGE / "infer" / "smc_elbo.py"  # the longest match wins
+    assert _tested_module("infer/smc/test_engine_ot_gradients.py") == PACKAGE / "infer" / "smc" / "engine.py"  # the longest match wins
 
 
 def test_the_cross_cutting_files_exist_and_test_folders_are_packages():

@@ -1,10 +1,9 @@
-"""``benchmarks/summarize.py``: every result file carries a valid summary record, the table is built
-from the records alone (one row per script), ``--check``."""
+"""``benchmarks/summarize.py``: every result file carries a valid summary record, the tables (one per
+engine folder) are built from the records alone (one row per script, one file per script), ``--check``."""
 
 import importlib.util
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,22 +20,27 @@ def summarize():
 
 
 def main_results(summarize):
-    """The files summarize.py reads: ``<stem>.json`` without a variant suffix."""
-    return [p for p in sorted(summarize.RESULTS.glob("*.json")) if "." not in p.name[: -len(".json")]]
+    """The files summarize.py reads: ``<group>/<stem>.json``, one per script (no variant files)."""
+    paths = sorted(summarize.RESULTS.glob("*/*.json"))
+    assert not list(summarize.RESULTS.glob("*.json")) and all("." not in p.stem for p in paths)
+    return paths
+
+
+def rel(path):
+    return f"{path.parent.name}/{path.name}"
 
 
 def test_every_result_file_has_a_valid_record(summarize):
     common = importlib.import_module("_common")  # on sys.path once summarize.py is loaded
     paths = main_results(summarize)
     assert len(paths) >= 15
-    scripts = {p.name for p in BENCH.glob("bench_*.py")}
-    for path in paths + sorted(summarize.RESULTS.glob("*.quick.json")):  # smoke runs write the same record
+    scripts = {f"{p.parent.name}/{p.name}" for p in BENCH.glob("*/bench_*.py")}
+    for path in paths:
         record = json.loads(path.read_text()).get(common.SUMMARY_KEY)
         assert common.check_record(record) == [], path.name
-        assert record["script"] in scripts, path.name
-        assert record["run"].startswith(f"`results/{path.name}`"), path.name
-        if path in paths:
-            assert not record["ours"].startswith("unreadable"), path.name
+        assert f"{path.parent.name}/{record['script']}" in scripts, path.name  # the file sits in its script's group
+        assert f"`results/{rel(path)}`" in record["run"], path.name
+        assert not record["ours"].startswith("unreadable"), path.name
 
 
 def test_table_comes_from_the_records_alone(summarize, tmp_path):
@@ -47,48 +51,65 @@ def test_table_comes_from_the_records_alone(summarize, tmp_path):
         record = json.loads(path.read_text())[common.SUMMARY_KEY]
         row = by_script[record["script"]].cells_by_name
         for cell in common.SUMMARY_CELLS:
-            if record[cell]:
-                expected = f"{record['label']}: {record[cell]}" if record["label"] else record[cell]
-                assert expected in row[cell].split("<br>"), (path.name, cell)
-    # Strip every file down to its record: the table must not change.
+            assert row[cell] == record[cell], (path.name, cell)
+    # Strip every file down to its record: the tables must not change.
     for path in main_results(summarize):
         record = json.loads(path.read_text())[common.SUMMARY_KEY]
-        (tmp_path / path.name).write_text(json.dumps({common.SUMMARY_KEY: record}))
+        (tmp_path / path.parent.name).mkdir(exist_ok=True)
+        (tmp_path / rel(path)).write_text(json.dumps({common.SUMMARY_KEY: record}))
     stripped = summarize.build_rows(results=tmp_path)
-    assert summarize.render_table(stripped) == summarize.render_table(rows)
+    assert summarize.render_tables(stripped) == summarize.render_tables(rows)
+
+
+def test_a_file_of_several_runs_joins_their_records():
+    """``write_results(..., run=...)``: one file per script, its record joining the runs' cells."""
+    common = importlib.import_module("_common")
+    a = common.summary_record("kronecker/x", {"command": "python a.py"}, {"ours": "1"}, label="MLP", script="bench_x.py")
+    b = common.summary_record("kronecker/x", {"command": "python b.py"}, {"ours": "2", "met": "yes"}, label="conv", script="bench_x.py")
+    joined = common.combine_records([a, b])
+    assert common.check_record(joined) == []
+    assert joined["ours"] == "MLP: 1<br>conv: 2" and joined["met"] == "conv: yes" and joined["label"] is None
+    assert common.combine_records([a]) is a
 
 
 def test_one_row_per_script(summarize):
     rows = summarize.build_rows()
     names = [row.script for row in rows]
-    on_disk = sorted(p.name for p in BENCH.glob("bench_*.py"))
+    on_disk = {p.name: p.parent.name for p in BENCH.glob("*/bench_*.py")}
+    assert not list(BENCH.glob("bench_*.py"))  # every script sits in its engine's folder
     assert len(names) == len(set(names))
     assert set(on_disk) <= set(names)
-    assert names[: len(summarize.ORDER)] == [s for s in summarize.ORDER if s in names]
-    table = summarize.render_table(rows)
-    body = table.splitlines()[2:]
-    assert len(body) == len(rows)
-    assert [re.match(r"\| `([^`]+)`", line).group(1) for line in body] == names
-    assert all(line.count(" | ") == len(summarize.COLUMNS) - 1 for line in body)
+    assert all(on_disk[row.script] == row.group for row in rows if row.script in on_disk)
+    groups = list(dict.fromkeys(row.group for row in rows))
+    assert groups == [g for g in summarize.GROUPS if g in groups] + groups[len([g for g in summarize.GROUPS if g in groups]):]
+    for group in groups:
+        listed = [s for s in summarize.GROUPS.get(group, ("", []))[1] if s in names]
+        in_group = [row.script for row in rows if row.group == group]
+        assert in_group[: len(listed)] == listed
+        table = summarize.render_table([row for row in rows if row.group == group])
+        body = table.splitlines()[2:]
+        assert [re.match(r"\| `([^`]+)`", line).group(1) for line in body] == in_group
+        assert all(line.count(" | ") == len(summarize.COLUMNS) - 1 for line in body)
+    assert summarize.render_tables(rows).count("| benchmark |") == len(groups)
 
 
 def test_not_run_and_unreadable(summarize, tmp_path):
     common = importlib.import_module("_common")
-    (tmp_path / "bench_smcfilter.json").write_text("{ half written")
-    (tmp_path / "bench_ot_cost.json").write_text(json.dumps({"command": "python x.py", "results": {}}))
-    bad = common.summary_record("bench_ep_gp", {}, {"ours": "x"}, script="bench_ep_gp.py")
+    for group in ("smc", "resampling", "gaussian"):
+        (tmp_path / group).mkdir()
+    (tmp_path / "smc/bench_smcfilter.json").write_text("{ half written")
+    (tmp_path / "resampling/bench_ot_cost.json").write_text(json.dumps({"command": "python x.py", "results": {}}))
+    bad = common.summary_record("gaussian/bench_ep_gp", {}, {"ours": "x"}, script="bench_ep_gp.py")
     bad["met"] = 3
-    (tmp_path / "bench_ep_gp.json").write_text(json.dumps({common.SUMMARY_KEY: bad}))
-    shutil.copy(summarize.RESULTS / "bnn_digits.quick.json", tmp_path)
+    (tmp_path / "gaussian/bench_ep_gp.json").write_text(json.dumps({common.SUMMARY_KEY: bad}))
     rows = {row.script: row.cells_by_name for row in summarize.build_rows(results=tmp_path)}
     assert rows["bench_sinkhorn.py"]["ours"] == "not run"
-    assert rows["bench_bnn_digits.py"] == dict.fromkeys(common.SUMMARY_CELLS, "") | {
-        "ours": "not run", "run": "only a smoke run, `results/bnn_digits.quick.json` (not summarised)"}
+    assert rows["bench_bnn_digits.py"] == dict.fromkeys(common.SUMMARY_CELLS, "") | {"ours": "not run"}
     assert rows["bench_smcfilter.py"]["ours"].startswith("unreadable (JSONDecodeError")
     assert rows["bench_ot_cost.py"]["ours"] == "unreadable (KeyError: \"no 'summary_record'\")"
-    assert rows["bench_ot_cost.py"]["run"] == "`results/bench_ot_cost.json`"
+    assert rows["bench_ot_cost.py"]["run"] == "`results/resampling/bench_ot_cost.json`"
     assert rows["bench_ep_gp.py"]["ours"].startswith("unreadable (ValueError: invalid 'summary_record': cell 'met'")
-    assert set(rows) >= {p.name for p in BENCH.glob("bench_*.py")}
+    assert set(rows) >= {p.name for p in BENCH.glob("*/bench_*.py")}
 
 
 def test_record_of_a_failing_summary(summarize):
@@ -112,7 +133,7 @@ def test_check_mode(summarize, tmp_path, capsys):
     assert summarize.main(["--readme", str(readme)]) == 0
     text = readme.read_text()
     i, j = text.index(summarize.START), text.index(summarize.END) + len(summarize.END)
-    assert text.index("**Measurement conditions") < text.index(summarize.HEADING) < i < j < text.index("## 1.")
+    assert text.index("**Measurement conditions") < text.index(summarize.HEADING) < i < j
     head = text.rfind("\n\n" + summarize.HEADING, 0, i)
     assert text[:head] + text[j:] == original  # everything outside the generated section unchanged
     assert summarize.main(["--check", "--readme", str(readme)]) == 0

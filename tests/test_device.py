@@ -27,10 +27,10 @@ from pyro_smc.arviz import to_inference_data
 from pyro_smc.distributions import MatrixNormal
 from pyro_smc.gp import MultiOutputGP
 from pyro_smc.guides import AutoKroneckerFlow, StreamingFilterGuide
-from pyro_smc.infer import gaussian_smoothers
+from pyro_smc.infer.gaussian import smoothers as gaussian_smoothers
 from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, LinearGaussianSSM, NonlinearGaussianSSM
 from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
-from tests.guides.test_streaming import _set_exact_smoother, _trajectory_model
+from tests.guides.streaming.test_guide import _set_exact_smoother, _trajectory_model
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

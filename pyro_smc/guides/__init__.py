@@ -1,17 +1,17 @@
 """Guides: Kronecker-structured and flow posteriors for weight matrices; the streaming filter family.
 
 Modules:
-    kronecker_flow: ``AutoKroneckerFlow`` (K-Diag, K-Linear, K-Nonlinear).
-    kronecker_kinds: the posterior families as strategy objects (``DiagKind``, ``LinearKind``,
-        ``NonlinearKind``; subclass ``KroneckerKind`` for a new one).
-    matrix_transforms: invertible maps applied to every row / column of a matrix (K-Nonlinear).
-    streaming_family: ``StreamingFamily``, the filtering marginal plus backward kernels (the
-        per-step variational family the online filter trains).
-    streaming: ``StreamingFilterGuide``, that family usable online or as a whole-trajectory guide.
+    kronecker: ``AutoKroneckerFlow`` (``kronecker.flow``: K-Diag, K-Linear, K-Nonlinear), the
+        posterior families as strategy objects (``kronecker.kinds``: ``DiagKind``, ``LinearKind``,
+        ``NonlinearKind``; subclass ``KroneckerKind`` for a new one)
+        and the invertible maps applied to every row / column of a matrix (``kronecker.transforms``,
+        K-Nonlinear).
+    streaming: ``StreamingFamily`` (``streaming.family``), the filtering marginal plus backward
+        kernels that the online filter trains, and ``StreamingFilterGuide`` (``streaming.guide``),
+        that family usable online or as a whole-trajectory guide.
 """
 
-from pyro_smc.guides.kronecker_flow import AutoKroneckerFlow
-from pyro_smc.guides.streaming import StreamingFilterGuide
-from pyro_smc.guides.streaming_family import StreamingFamily
+from pyro_smc.guides.kronecker import AutoKroneckerFlow
+from pyro_smc.guides.streaming import StreamingFamily, StreamingFilterGuide
 
 __all__ = ["AutoKroneckerFlow", "StreamingFamily", "StreamingFilterGuide"]

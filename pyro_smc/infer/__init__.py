@@ -3,12 +3,17 @@ Gaussian filters and smoothers it refines, with their projections (:class:`Linea
 :class:`Unscented`, :class:`MomentMatching`, subclasses of :class:`Projection`);
 :func:`fit_evidence` to learn a model's parameters from the evidence; :class:`OnlineVariationalFilter`."""
 
-from pyro_smc.infer.ep_smoother import EPConvergenceWarning, EPSmoother
-from pyro_smc.infer.evidence_fit import fit_evidence
-from pyro_smc.infer.gaussian_smoothers import (
+from pyro_smc.infer.gaussian import (
+    EPConvergenceWarning,
+    EPSmoother,
     GaussianSmootherResult,
+    Linearization,
+    MomentMatching,
+    Projection,
+    Unscented,
     extended_kalman_filter,
     extended_rts_smoother,
+    fit_evidence,
     gaussian_filter,
     gaussian_smoother,
     gp_adf,
@@ -17,9 +22,7 @@ from pyro_smc.infer.gaussian_smoothers import (
     unscented_rts_smoother,
 )
 from pyro_smc.infer.online import OnlineFilterWarning, OnlineVariationalFilter
-from pyro_smc.infer.projections import Linearization, MomentMatching, Projection, Unscented
-from pyro_smc.infer.smc import SMC, ParticleDegeneracyWarning, SMCFailedError
-from pyro_smc.infer.smc_elbo import SMCELBO
+from pyro_smc.infer.smc import SMC, SMCELBO, ParticleDegeneracyWarning, SMCFailedError
 
 __all__ = [
     "SMC",

@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -53,7 +52,7 @@ class ChaoticRNN(PyroModule):
     """Chaotic RNN state-space model with Student-t observation noise.
 
     Args:
-        state_dim: state (and observation) dimension ``d``; ``dim=`` is its deprecated name.
+        state_dim: state (and observation) dimension ``d``.
         delta: time step ``Delta``.
         tau: time constant ``tau``.
         gamma: gain ``gamma`` (chaotic above 1).
@@ -89,13 +88,8 @@ class ChaoticRNN(PyroModule):
         observation_df: float = 2.0,
         weight: Tensor | None = None,
         generator: torch.Generator | None = None,
-        *,
-        dim: int | None = None,
     ):
         super().__init__()
-        if dim is not None:
-            warnings.warn("ChaoticRNN(dim=...) is deprecated; use state_dim=", FutureWarning, stacklevel=2)
-            state_dim = dim
         if not isinstance(state_dim, int) or state_dim < 1:
             raise ValueError(f"state_dim must be a positive int, got {state_dim!r}")
         dim = state_dim
@@ -113,12 +107,6 @@ class ChaoticRNN(PyroModule):
 
     @property
     def obs_dim(self) -> int:
-        return self.state_dim
-
-    @property
-    def dim(self) -> int:
-        """Deprecated name of ``state_dim``."""
-        warnings.warn("ChaoticRNN.dim is deprecated; use ChaoticRNN.state_dim", FutureWarning, stacklevel=2)
         return self.state_dim
 
     def transition_mean(self, x: Tensor) -> Tensor:

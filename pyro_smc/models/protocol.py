@@ -11,7 +11,7 @@ engines (:class:`~pyro_smc.EPSmoother` and the Gaussian filters and smoothers) r
 ``y_t = g(x_t, t) + v_t``, ``v_t ~ N(0, observation_cov)``, with ``t`` the 0-based time index.
 
 ``transition_fn``/``observation_fn`` are what the projections
-(:mod:`pyro_smc.infer.projections`) take: either a callable ``fn(x, t)`` batched over the
+(:mod:`pyro_smc.infer.gaussian.projections`) take: either a callable ``fn(x, t)`` batched over the
 leading dims of ``x`` (time is always passed; ``NonlinearGaussianSSM`` adapts a map not marked
 :func:`~pyro_smc.models.time_dependent` once, when it is built, to ignore it), or a GP
 posterior with exact moments (``predict``, ``predict_moments``, ``linearize``, as

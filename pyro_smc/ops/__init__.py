@@ -3,9 +3,11 @@
 Modules:
     weights: normalise log-weights, effective sample size, log-mean-exp.
     resample: multinomial, stratified and systematic ancestor indices.
-    sinkhorn: batched log-domain entropic optimal transport with implicit gradients.
-    sinkhorn_solver: the forward Sinkhorn solver in stages, SinkhornResult, record_results.
+    sinkhorn: batched log-domain entropic optimal transport: entry points (solve, sinkhorn) and docs.
+    sinkhorn_types: SinkhornSettings, SinkhornResult, SinkhornConvergenceWarning, GRADIENT_MODES.
+    sinkhorn_solver: the forward Sinkhorn solver in stages (forward_solve).
     sinkhorn_kernel: stabilised-kernel building blocks shared by the solver and the adjoint.
+    sinkhorn_implicit: Sinkhorn for gradient="implicit" (the adjoint solve, implicit_adjoint).
     sinkhorn_unrolled: Sinkhorn for gradient="unroll" (log domain, under autograd).
     ensemble: the differentiable ensemble transform (OT resampling) as one fused autograd op.
     kalman: Kalman predict/update/RTS steps and the exact log-evidence.

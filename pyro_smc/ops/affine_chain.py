@@ -46,7 +46,7 @@ Example:
     >>> r, R = torch.ones(T, e, dtype=torch.float64), torch.ones(T, e, e, dtype=torch.float64)
     >>> par = affine_chain_smoother(torch.zeros(d, dtype=torch.float64), eye, F, c, Q, H, r, R)
     >>> seq = affine_chain_smoother(torch.zeros(d, dtype=torch.float64), eye, F, c, Q, H, r, R, parallel=False)
-    >>> bool(torch.allclose(par.smoothed_means, seq.smoothed_means)), par.log_evidence_increments.shape
+    >>> bool(torch.allclose(par.means, seq.means)), par.log_evidence_increments.shape
     (True, torch.Size([6]))
 """
 
@@ -70,11 +70,11 @@ class AffineChainResult(NamedTuple):
 
     Attributes:
         predicted_means: ``(T, d)`` of ``p(x_t | r_{<t})``; index 0 is the prior ``m_0``.
-        predicted_covs: ``(T, d, d)``; index 0 is ``P_0``.
-        filtered_means: ``(T, d)`` of ``p(x_t | r_{<=t})``.
-        filtered_covs: ``(T, d, d)``.
-        smoothed_means: ``(T, d)`` of ``p(x_t | r_{0:T-1})``.
-        smoothed_covs: ``(T, d, d)``.
+        predicted_covariances: ``(T, d, d)``; index 0 is ``P_0``.
+        filtering_means: ``(T, d)`` of ``p(x_t | r_{<=t})``.
+        filtering_covariances: ``(T, d, d)``.
+        means: ``(T, d)`` of ``p(x_t | r_{0:T-1})``.
+        covariances: ``(T, d, d)``.
         log_evidence_increments: ``(T,)`` ``log p(r_t | r_{<t})`` over the observed entries;
             exactly 0 at a step with nothing observed.
 
@@ -83,16 +83,16 @@ class AffineChainResult(NamedTuple):
         >>> eye = torch.eye(1, dtype=torch.float64)
         >>> out = affine_chain_smoother(torch.zeros(1, dtype=torch.float64), eye, eye.expand(2, 1, 1), torch.zeros(2, 1, dtype=torch.float64),
         ...                             eye.expand(2, 1, 1), eye.expand(3, 1, 1), torch.ones(3, 1, dtype=torch.float64), eye.expand(3, 1, 1))
-        >>> out.predicted_means[0].item(), round(out.filtered_means[0].item(), 6)   # the prior, then given r_0 = 1
+        >>> out.predicted_means[0].item(), round(out.filtering_means[0].item(), 6)   # the prior, then given r_0 = 1
         (0.0, 0.5)
     """
 
     predicted_means: Tensor
-    predicted_covs: Tensor
-    filtered_means: Tensor
-    filtered_covs: Tensor
-    smoothed_means: Tensor
-    smoothed_covs: Tensor
+    predicted_covariances: Tensor
+    filtering_means: Tensor
+    filtering_covariances: Tensor
+    means: Tensor
+    covariances: Tensor
     log_evidence_increments: Tensor
 
 
@@ -284,7 +284,7 @@ def affine_chain_smoother(
         >>> one = torch.ones(1, 1, 1)
         >>> out = affine_chain_smoother(torch.zeros(1), one[0], one, torch.zeros(1, 1), one, one.expand(2, 1, 1),
         ...                             torch.tensor([[0.0], [2.0]]), one.expand(2, 1, 1))
-        >>> [round(v, 4) for v in out.smoothed_means.squeeze(-1).tolist()]  # as rts_smoother's example
+        >>> [round(v, 4) for v in out.means.squeeze(-1).tolist()]  # as rts_smoother's example
         [0.4, 1.2]
     """
     if init_mean.dim() != 1:

@@ -44,24 +44,16 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from pyro_smc.ops.sinkhorn import (
-    GRADIENT_MODES,
-    _colsum,
-    _flushing,
-    _solve_loop,
-    _thin_matmul,
-    check_equal_mass,
-    implicit_adjoint,
-    sinkhorn,
-    squared_distances,
-    transport_plan,
-)
+from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_equal_mass, implicit_adjoint, solve, squared_distances, transport_plan
+from pyro_smc.ops.sinkhorn_kernel import colsum, flushing, thin_matmul
+from pyro_smc.ops.sinkhorn_solver import forward_solve
 
-__all__ = ["ensemble_transform"]
+__all__ = ["EnsembleResult", "ensemble_transform", "ensemble_solve"]
 
 
 def _normalised_cost(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,13 +94,15 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     """
 
     @staticmethod
-    @_flushing
-    def forward(ctx, x, log_b, epsilon, scaling, threshold, max_iter, exact):
+    @flushing
+    def forward(ctx, x, log_b, settings):
         n = x.shape[-2]
+        epsilon = settings.epsilon
         with torch.no_grad():
             cost, scale2 = _normalised_cost(x)
             log_a = torch.full_like(log_b, -math.log(n))
-            f, g, _ = _solve_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
+            result = forward_solve(cost, log_a, log_b, settings, stacklevel=4)
+            f, g = result.f, result.g
             # K_ij = P_ij / sqrt(a_i b_j): the symmetric form the adjoint needs; P x and the
             # row sums of P come out of one product with [sqrt(b) x, sqrt(b)].
             sqrt_a = math.exp(-0.5 * math.log(n))
@@ -116,31 +110,32 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             kernel = (
                 cost.neg_().add_(f.unsqueeze(-1) + 0.5 * epsilon * math.log(1.0 / n)).add_((g + 0.5 * epsilon * log_b).unsqueeze(-2)).div_(epsilon)
             ).exp_()
-            moved = _thin_matmul(kernel, torch.cat([sqrt_b.unsqueeze(-1) * x, sqrt_b.unsqueeze(-1)], -1))
+            moved = thin_matmul(kernel, torch.cat([sqrt_b.unsqueeze(-1) * x, sqrt_b.unsqueeze(-1)], -1))
             x_new = moved[..., :-1] / moved[..., -1:]
             rows = sqrt_a * moved[..., -1:]  # row sums of P
             plan = kernel * (sqrt_a * sqrt_b).unsqueeze(-2)
         ctx.save_for_backward(x, kernel, sqrt_b, rows, x_new, scale2)
         ctx.sqrt_a = sqrt_a
         ctx.epsilon = epsilon
-        ctx.exact = exact
+        ctx.exact = settings.gradient == "implicit"
         # The fixed point is only threshold-accurate; a tighter adjoint buys nothing.
-        ctx.tol = min(1e-2, threshold) * 1e-2
-        ctx.mark_non_differentiable(plan)
-        return x_new, plan
+        ctx.tol = min(1e-2, settings.threshold) * 1e-2
+        # The solve's potentials and diagnostics are outputs too, none of them differentiable.
+        ctx.mark_non_differentiable(plan, *result)
+        return (x_new, plan, *result)
 
     @staticmethod
-    @_flushing
-    def backward(ctx, grad_x_new, grad_plan):
+    @flushing
+    def backward(ctx, grad_x_new, *_not_differentiable):
         x, kernel, sqrt_b, rows, x_new, scale2 = ctx.saved_tensors
         sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
         if grad_x_new is None:
-            return None, None, None, None, None, None, None
+            return None, None, None
         # x_new_i = sum_j P_ij x_j / r_i, so d loss / d log P_ij = P_ij (G_i . x_j - c_i) with
         # G_i = grad_i / r_i and c_i = G_i . x_new_i.
         gs = grad_x_new / rows
         c = (gs * x_new).sum(-1)
-        kt = _thin_matmul(kernel, torch.cat([gs, c.unsqueeze(-1)], -1), transpose=True)  # K^T [G, c]
+        kt = thin_matmul(kernel, torch.cat([gs, c.unsqueeze(-1)], -1), transpose=True)  # K^T [G, c]
         kt_g, kt_c = kt[..., :-1], kt[..., -1]
         # Column sums of d loss / d log P, i.e. eps * d loss / d g (the row sums vanish).
         col = sqrt_a * sqrt_b * ((x * kt_g).sum(-1) - kt_c)
@@ -151,7 +146,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             # exactly the gradient of one row update f = T_b(g) from the detached g, since the
             # row normalisation removes f. See docs/math/smc.md#gradient-modes.
             alpha, beta = torch.zeros_like(c), torch.zeros_like(col)
-        grad_log_b = col - eps * sqrt_b * _colsum(kernel, alpha)
+        grad_log_b = col - eps * sqrt_b * colsum(kernel, alpha)
         # d loss / d C = -(1/eps) d loss / d log P + K * (alpha_i sqrt(b_j) + sqrt(a) beta_j)
         #              = (sqrt(a) / eps) K * (eps beta_j - sqrt(b_j) (G_i . x_j - d_i)),
         # with d_i = c_i + eps alpha_i / sqrt(a).
@@ -162,8 +157,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         # C_ij = ||x_i - x_j||^2 / delta^2: d loss / d x_k = (2 / delta^2) ((R_k + S_k) x_k
         # - (H x)_k - (H^T x)_k) with R, S the row and column sums of H = d loss / d C.
         x1 = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-        h_x = _thin_matmul(grad_cost, x1)
-        ht_x = _thin_matmul(grad_cost, x1, transpose=True)
+        h_x = thin_matmul(grad_cost, x1)
+        ht_x = thin_matmul(grad_cost, x1, transpose=True)
         sums = (h_x[..., -1] + ht_x[..., -1]).unsqueeze(-1)
         grad_x = (2 / scale2)[..., None, None] * (sums * x - h_x[..., :-1] - ht_x[..., :-1])
         # Through the scale: d loss / d delta^2 = -sum_ij H_ij ||x_i - x_j||^2 / delta^4, where
@@ -171,7 +166,73 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         spread = (sums.squeeze(-1) * x.square().sum(-1) - 2 * (x * h_x[..., :-1]).sum(-1)).sum(-1)
         grad_x = grad_x + _scale_gradient(x, -spread / scale2.square())
         grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g  # through x_j in P x
-        return grad_x, grad_log_b, None, None, None, None, None
+        return grad_x, grad_log_b, None
+
+
+class EnsembleResult(NamedTuple):
+    """One ensemble transform and the Sinkhorn solve behind it.
+
+    Attributes:
+        x_new: transported particles ``(..., N, D)``.
+        plan: the plan ``(..., N, N)``, rows summing to ``1/N`` and columns to the weights.
+        solve: the :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` of the solve over the batch
+            ``(...)``, all of it detached (potentials included).
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.ops.ensemble import ensemble_solve
+        >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
+        >>> out = ensemble_solve(torch.randn(2, 6, 1), torch.zeros(2, 6).log_softmax(-1), SinkhornSettings())
+        >>> out.x_new.shape, out.solve.converged.shape
+        (torch.Size([2, 6, 1]), torch.Size([2]))
+    """
+
+    x_new: Tensor
+    plan: Tensor
+    solve: SinkhornResult
+
+
+def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings) -> EnsembleResult:
+    r"""The differentiable ensemble transform under ``settings``, with the solve's diagnostics.
+
+    Solves entropic OT from the uniform measure on the particles to the weighted one with the
+    scale-normalised squared-distance cost and moves each particle to its barycentric image
+    ``x~_i = sum_j P_ij x_j / sum_j P_ij`` (the row normalisation keeps every new particle a
+    convex combination even before convergence). See ``docs/math/smc.md#optimal-transport-resampling``.
+
+    Args:
+        x: particles ``(..., N, D)``.
+        log_weights: normalised log-weights ``(..., N)`` (``-inf`` allowed).
+        settings: the Sinkhorn settings (:class:`~pyro_smc.ops.sinkhorn.SinkhornSettings`).
+
+    Returns:
+        An :class:`EnsembleResult` ``(x_new, plan, solve)``. With ``gradient="implicit"`` the
+        plan carries no gradient (``x_new`` does, exactly); so with ``"last_step"``, which runs
+        the same fused op with the potentials held fixed in the backward pass (no adjoint solve:
+        cheaper, but only approximate); ``"unroll"`` differentiates the plan too.
+
+    Raises:
+        ValueError: if the weights do not sum to one.
+
+    Example:
+        >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
+        >>> _ = torch.manual_seed(0)
+        >>> x, log_w = torch.randn(3, 10, 2), torch.randn(3, 10).log_softmax(-1)
+        >>> out = ensemble_solve(x, log_w, SinkhornSettings(threshold=1e-4, max_iter=500, gradient="unroll"))
+        >>> out.solve.converged.tolist(), out.plan.requires_grad
+        ([True, True, True], False)
+    """
+    n = x.shape[-2]
+    log_a = torch.full_like(log_weights, -math.log(n))
+    check_equal_mass(log_a, log_weights)
+    if settings.gradient in ("implicit", "last_step"):
+        x_new, plan, *result = _FusedEnsembleTransform.apply(x, log_weights, settings)
+        return EnsembleResult(x_new, plan, SinkhornResult(*result))
+    cost, _ = _normalised_cost(x)
+    result = solve(cost, log_a, log_weights, settings)
+    plan = transport_plan(cost, log_a, log_weights, result.f, result.g, settings.epsilon)
+    x_new = (plan @ x) / plan.sum(-1, keepdim=True)
+    return EnsembleResult(x_new, plan, result._replace(f=result.f.detach(), g=result.g.detach()))
 
 
 def ensemble_transform(
@@ -185,10 +246,7 @@ def ensemble_transform(
 ) -> tuple[Tensor, Tensor]:
     r"""Differentiable ensemble transform: weighted particles to equally weighted ones.
 
-    Solves entropic OT from the uniform measure on the particles to the weighted one with the
-    scale-normalised squared-distance cost and moves each particle to its barycentric image
-    ``x~_i = sum_j P_ij x_j / sum_j P_ij`` (the row normalisation keeps every new particle a
-    convex combination even before convergence). See ``docs/math/smc.md#optimal-transport-resampling``.
+    :func:`ensemble_solve` with the settings as keywords and without the diagnostics.
 
     Args:
         x: particles ``(..., N, D)``.
@@ -198,13 +256,11 @@ def ensemble_transform(
 
     Returns:
         ``(x_new, plan)``: transported particles ``(..., N, D)`` and the plan ``(..., N, N)``
-        whose rows sum to ``1/N`` and columns to the weights. With ``gradient="implicit"`` the
-        plan carries no gradient (``x_new`` does, exactly); so with ``"last_step"``, which runs
-        the same fused op with the potentials held fixed in the backward pass (no adjoint solve:
-        cheaper, but only approximate); ``"unroll"`` differentiates the plan too.
+        whose rows sum to ``1/N`` and columns to the weights (gradient paths as for
+        :func:`ensemble_solve`).
 
     Raises:
-        ValueError: if ``epsilon <= 0``, ``gradient`` is unknown, or the weights do not sum to one.
+        ValueError: a setting out of range, or weights that do not sum to one.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -220,17 +276,9 @@ def ensemble_transform(
         >>> x.grad.shape
         torch.Size([3, 10, 2])
     """
-    if not epsilon > 0:
-        raise ValueError(f"ensemble_transform: epsilon must be > 0, got {epsilon}")
-    if gradient not in GRADIENT_MODES:
-        raise ValueError(f"ensemble_transform: gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
-    n = x.shape[-2]
-    log_a = torch.full_like(log_weights, -math.log(n))
-    check_equal_mass(log_a, log_weights)
-    if gradient in ("implicit", "last_step"):
-        return _FusedEnsembleTransform.apply(x, log_weights, float(epsilon), scaling, threshold, max_iter, gradient == "implicit")
-    cost, _ = _normalised_cost(x)
-    f, g = sinkhorn(cost, log_a, log_weights, epsilon, scaling, threshold, max_iter, gradient)
-    plan = transport_plan(cost, log_a, log_weights, f, g, epsilon)
-    x_new = (plan @ x) / plan.sum(-1, keepdim=True)
+    try:
+        settings = SinkhornSettings(epsilon, scaling, threshold, max_iter, gradient)
+    except ValueError as error:
+        raise ValueError(f"ensemble_transform: {error}".replace("sinkhorn: ", "")) from None
+    x_new, plan, _ = ensemble_solve(x, log_weights, settings)
     return x_new, plan

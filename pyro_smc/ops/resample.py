@@ -83,15 +83,7 @@ def multinomial(log_weights: Tensor, generator: torch.Generator | None = None) -
 def stratified(log_weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Stratified resampling: one uniform in each stratum ``[(i-1)/N, i/N)``.
 
-    Args:
-        log_weights: normalised log-weights, shape ``(..., N)``.
-        generator: optional random generator.
-
-    Returns:
-        Ancestor indices, shape ``(..., N)``.
-
-    Raises:
-        ValueError: as ``check_log_weights``.
+    Arguments, returns and errors as for :func:`~pyro_smc.ops.resample.multinomial`.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -116,15 +108,7 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
     cumulative weight (``O(N)``) instead of a binary search per point.
     See ``docs/math/smc.md#index-resampling``.
 
-    Args:
-        log_weights: normalised log-weights, shape ``(..., N)``.
-        generator: optional random generator.
-
-    Returns:
-        Ancestor indices, shape ``(..., N)``.
-
-    Raises:
-        ValueError: as ``check_log_weights``.
+    Arguments, returns and errors as for :func:`~pyro_smc.ops.resample.multinomial`.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)

@@ -37,7 +37,7 @@ Gradients (``gradient=``):
   twice the implicit mode's and more (an ``N x M`` exponential per half-iteration).
 * ``"last_step"``: the loop runs without autograd and one differentiable update is taken from the
   converged, detached potentials. No adjoint solve, but only approximate: relative errors of
-  0.3 to 0.6 in the ensemble transform's gradients at epsilon 0.5 (``benchmarks/bench_ot_cost.py``).
+  0.3 to 0.6 in the ensemble transform's gradients at epsilon 0.5 (``benchmarks/resampling/bench_ot_cost.py``).
 
 What keeps the gradients well posed (each found as a failure on sharp likelihoods, where most
 particles' weights are near zero):
@@ -53,16 +53,25 @@ particles' weights are near zero):
 * the solver warns (:class:`SinkhornConvergenceWarning`) when a problem ends at ``max_iter``
   above ``threshold``, and the adjoint solve checks its own residual before its answer is used.
 
-How each solve ended is not lost: :func:`sinkhorn_solve` returns a :class:`SinkhornResult`, the
+Settings and results are typed. The five settings travel as one frozen
+:class:`SinkhornSettings`; :func:`solve` takes it and returns a :class:`SinkhornResult`: the
 potentials (with the gradient path of the chosen mode) and per-problem detached diagnostics
-(``converged``, ``num_iterations``, ``marginal_error``); :func:`sinkhorn` returns the potentials
-alone. Callers of ops built on the solver read its results with :func:`record_results`.
+(``converged``, ``num_iterations``, ``marginal_error``). :func:`sinkhorn_solve` is the same
+with the settings as keywords, and :func:`sinkhorn` returns the potentials alone. Ops built on
+the solver return its result too (:func:`pyro_smc.ops.ensemble.ensemble_solve`), so
+diagnostics travel up by return value, never through global state.
 
 The pieces live in their own modules, in the spirit of OTT-JAX's problem / solver / output
-split: :mod:`~pyro_smc.ops.sinkhorn_kernel` (stabilised-kernel building blocks),
-:mod:`~pyro_smc.ops.sinkhorn_solver` (the forward solver, its stages and the result type) and
-:mod:`~pyro_smc.ops.sinkhorn_unrolled` (the ``"unroll"`` mode). This module holds the entry
-points and the implicit differentiation, and re-exports the helpers other modules import.
+split; each shares only public names with the others, and this module is the one place for
+the docs and the entry points:
+
+* :mod:`~pyro_smc.ops.sinkhorn_types`: :class:`SinkhornSettings`, :class:`SinkhornResult`,
+  :class:`SinkhornConvergenceWarning` (re-exported here);
+* :mod:`~pyro_smc.ops.sinkhorn_kernel`: the stabilised-kernel building blocks;
+* :mod:`~pyro_smc.ops.sinkhorn_solver`: the forward solver and its stages;
+* :mod:`~pyro_smc.ops.sinkhorn_implicit`: ``gradient="implicit"`` (the adjoint solve,
+  :func:`implicit_adjoint`, re-exported here);
+* :mod:`~pyro_smc.ops.sinkhorn_unrolled`: ``gradient="unroll"``.
 
 The differentiable ensemble transform (Corenflos et al., 2021) built on it is
 :func:`pyro_smc.ops.ensemble.ensemble_transform`.
@@ -81,6 +90,9 @@ Example:
     >>> result = sinkhorn_solve(cost, log_a, log_b, epsilon=0.1, threshold=1e-9, max_iter=2000)
     >>> result.converged.tolist(), bool(torch.equal(result.f, f))
     ([True, True, True], True)
+    >>> from pyro_smc.ops.sinkhorn import SinkhornSettings, solve
+    >>> bool(torch.equal(solve(cost, log_a, log_b, SinkhornSettings(0.1, threshold=1e-9, max_iter=2000)).g, g))
+    True
 
 References:
     Cuturi (2013). Sinkhorn distances. Thibault, Chizat, Dossal, Papadakis (2017). Overrelaxed
@@ -91,66 +103,28 @@ References:
 
 from __future__ import annotations
 
-import math
-import warnings
-
 import torch
 from torch import Tensor
 
-# The forward solver's names, re-exported: fused ops and tests import them from here.
-from pyro_smc.ops.sinkhorn_kernel import (  # noqa: F401
-    _colsum,
-    _complete_zero_mass,
-    _flushing,
-    _log_domain_update,
-    _log_kernel,
-    _mask_kernel,
-    _pinned_reciprocal,
-    _rowsum,
-    _soft_min,
-    _soft_min_logits,
-    _thin_matmul,
-    _zero_mass,
-)
-from pyro_smc.ops.sinkhorn_solver import (  # noqa: F401
-    _ANNEAL_START,
-    _BIG,
-    _MAX_OMEGA,
-    _PLAIN_ITERS,
-    SinkhornConvergenceWarning,
-    SinkhornResult,
-    _epsilon_schedule,
-    _relaxation,
-    _solve,
-    _solve_loop,
-    _warn_unconverged,
-    record_results,
-)
-from pyro_smc.ops.sinkhorn_unrolled import _c_transforms, _SoftMin, _unrolled_log_loop  # noqa: F401
+from pyro_smc.ops.sinkhorn_implicit import implicit_adjoint, implicit_solve
+from pyro_smc.ops.sinkhorn_kernel import soft_min
+from pyro_smc.ops.sinkhorn_solver import forward_solve
+from pyro_smc.ops.sinkhorn_types import GRADIENT_MODES, SinkhornConvergenceWarning, SinkhornResult, SinkhornSettings
+from pyro_smc.ops.sinkhorn_unrolled import unrolled_solve
 
 __all__ = [
     "GRADIENT_MODES",
+    "SinkhornSettings",
     "SinkhornConvergenceWarning",
     "SinkhornResult",
     "squared_distances",
+    "solve",
     "sinkhorn",
     "sinkhorn_solve",
-    "record_results",
     "transport_plan",
     "check_equal_mass",
     "implicit_adjoint",
 ]
-
-#: The ``gradient=`` modes of :func:`sinkhorn` and :class:`~pyro_smc.resamplers.OTResampler`.
-GRADIENT_MODES = ("implicit", "unroll", "last_step")
-
-# Above this many target points the adjoint system is solved by conjugate gradients
-# instead of a dense factorisation (O(M^2) per iteration instead of O(M^3) once).
-_DENSE_SOLVE_MAX = 512
-# Conjugate-gradient steps tried before a small adjoint system is handed to the dense solve.
-_CG_STEPS_BEFORE_DENSE = 25
-# Relative residual of the adjoint solve above which its gradient is reported as unreliable.
-_ADJOINT_RESIDUAL_WARN = 1e-2
 
 
 def squared_distances(x: Tensor, y: Tensor) -> Tensor:
@@ -178,179 +152,54 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
     return (xx + yy - 2 * x @ y.transpose(-1, -2)).clamp_min(0)
 
 
-def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> Tensor:
-    """Solves ``(I - K^T K + s s^T) x = rhs`` for every problem of the batch.
-
-    ``I - K^T K`` is positive semi-definite with null vector ``s = sqrt(b)`` (the gauge
-    ``f + c, g - c`` of the potentials); adding ``s s^T`` makes it definite without changing the
-    solution on the consistent right-hand sides the backward pass produces.
-
-    Conjugate gradients come first: the system's condition number is ``1 / (1 - sigma_2^2)``
-    with ``sigma_2`` the second singular value of ``K``, the same quantity that sets the
-    contraction of the Sinkhorn iterations, so problems that converged in a few iterations
-    need only a few CG steps (each two batched mat-vecs). Problems still unconverged after
-    ``_CG_STEPS_BEFORE_DENSE`` steps (small epsilon) are finished by a dense Cholesky solve when
-    they are small enough, by more CG steps otherwise.
-    """
-    s = sqrt_b / sqrt_b.norm(dim=-1, keepdim=True)
-    m = kernel.shape[-1]
-    tiny = torch.finfo(rhs.dtype).tiny
-    # Below a few ulps the residual is rounding noise; asking for less would never stop.
-    tol = max(tol, 30 * torch.finfo(rhs.dtype).eps)
-
-    def matvec(v: Tensor) -> Tensor:
-        return v - _colsum(kernel, _rowsum(kernel, v)) + s * (s * v).sum(-1, keepdim=True)
-
-    x = torch.zeros_like(rhs)
-    r = rhs.clone()
-    p = r.clone()
-    rs = (r * r).sum(-1, keepdim=True)
-    stop = tol**2 * rs.clamp_min(tiny)
-    max_steps = _CG_STEPS_BEFORE_DENSE if m <= _DENSE_SOLVE_MAX else 10 * m
-    converged = rs <= stop
-    for _ in range(max_steps):
-        if bool(converged.all()):
-            break
-        ap = matvec(p)
-        alpha = rs / (p * ap).sum(-1, keepdim=True).clamp_min(tiny)
-        alpha = torch.where(converged, torch.zeros_like(alpha), alpha)
-        x = x + alpha * p
-        r = r - alpha * ap
-        rs_new = (r * r).sum(-1, keepdim=True)
-        converged = converged | (rs_new <= stop)
-        p = r + (rs_new / rs.clamp_min(tiny)) * p
-        rs = rs_new
-    left = ~converged.squeeze(-1)
-    if m <= _DENSE_SOLVE_MAX and bool(left.any()):
-        k, sl = kernel[left], s[left]
-        eye = torch.eye(m, dtype=kernel.dtype, device=kernel.device)
-        mat = eye - k.transpose(-1, -2) @ k + sl.unsqueeze(-1) * sl.unsqueeze(-2)
-        # The matrix is symmetric positive definite: Cholesky is about twice as fast as LU.
-        chol, info = torch.linalg.cholesky_ex(mat)
-        if bool((info == 0).all()):
-            sol = torch.cholesky_solve(rhs[left].unsqueeze(-1), chol).squeeze(-1)
-        else:
-            sol = torch.linalg.solve(mat, rhs[left].unsqueeze(-1)).squeeze(-1)
-        x = x.index_put((left.nonzero().squeeze(-1),), sol)
-    # The system is only as well posed as the forward solve was accurate: far from the fixed
-    # point K's top singular value leaves 1 and the matrix can lose definiteness. Check the
-    # answer rather than trust it (one more pair of mat-vecs).
-    residual = (matvec(x) - rhs).norm(dim=-1) / rhs.norm(dim=-1).clamp_min(tiny)
-    worst = float(residual.max()) if residual.numel() else 0.0
-    if not worst < _ADJOINT_RESIDUAL_WARN:
-        warnings.warn(
-            f"sinkhorn: the implicit-gradient (adjoint) solve left a relative residual of {worst:.3g}; the forward "
-            "solve is probably not converged (raise max_iter, lower threshold or raise epsilon), so its gradient is unreliable",
-            SinkhornConvergenceWarning,
-            stacklevel=2,
-        )
-    return x
-
-
-def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Tensor, grad_g: Tensor, tol: float) -> tuple[Tensor, Tensor]:
-    """Adjoint variables of the Sinkhorn fixed point (the core of every implicit backward pass).
-
-    With ``K_ij = P_ij / sqrt(a_i b_j)`` the adjoint system of the fixed-point equations reads
-    ``[[I, K], [K^T, I]] [alpha; beta] = [grad_f / sqrt(a); grad_g / sqrt(b)]``; it stays finite
-    (``K`` is zero there) for points of zero weight and its spectrum lies in ``[0, 2]``. The
-    gradients of the loss with respect to the cost and the log-weights follow from ``alpha``
-    and ``beta``:
-    ``dC = K * (alpha_i sqrt(b_j) + sqrt(a_i) beta_j)``, ``d log a = -eps sqrt(a) K beta``,
-    ``d log b = -eps sqrt(b) K^T alpha``.
-
-    Args:
-        kernel: ``K``, shape ``(..., N, M)``.
-        sqrt_a, sqrt_b: square roots of the marginals, ``(..., N)`` and ``(..., M)``.
-        grad_f, grad_g: incoming gradients with respect to the potentials, ``(..., N)`` and
-            ``(..., M)``.
-        tol: relative residual tolerance of the linear solve.
-
-    Returns:
-        ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)``. A relative residual above
-        ``1e-2`` is warned about (``SinkhornConvergenceWarning``).
-
-    Example:
-        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
-        >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
-        >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
-        >>> f, g = sinkhorn(cost, log_a, log_b, epsilon=0.1, threshold=1e-5, max_iter=500)
-        >>> sqrt_a, sqrt_b = (log_a / 2).exp(), (log_b / 2).exp()
-        >>> K = transport_plan(cost, log_a, log_b, f, g, 0.1) / (sqrt_a[:, None] * sqrt_b)
-        >>> grad_g = torch.tensor([1.0, -2.0, 1.0])  # sums to 0: the system is consistent
-        >>> alpha, beta = implicit_adjoint(K, sqrt_a, sqrt_b, torch.zeros(3), grad_g, 1e-6)
-        >>> bool(torch.allclose(K @ beta, -alpha, atol=1e-4) and torch.allclose(K.T @ alpha + beta, grad_g / sqrt_b, atol=1e-4))
-        True
-    """
-    r_f = grad_f / sqrt_a
-    r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
-    beta = _adjoint_solve(kernel, sqrt_b, r_g - _colsum(kernel, r_f), tol)
-    return r_f - _rowsum(kernel, beta), beta
-
-
-class _ImplicitSinkhorn(torch.autograd.Function):
-    """Potentials at the fixed point, differentiated by the implicit function theorem."""
-
-    @staticmethod
-    @_flushing
-    def forward(ctx, cost, log_a, log_b, epsilon, scaling, threshold, max_iter, report):
-        # report: a list that receives the solve's SinkhornResult (outputs stay f and g).
-        with torch.no_grad():
-            result, _ = _solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
-        report.append(result)
-        f, g = result.f, result.g
-        ctx.save_for_backward(cost, log_a, log_b, f, g)
-        ctx.epsilon = epsilon
-        ctx.tol = min(1e-2, threshold)
-        return f, g
-
-    @staticmethod
-    @_flushing
-    def backward(ctx, grad_f, grad_g):
-        cost, log_a, log_b, f, g = ctx.saved_tensors
-        eps = ctx.epsilon
-        log_a = log_a.expand(f.shape)
-        log_b = log_b.expand(g.shape)
-        grad_f = torch.zeros_like(f) if grad_f is None else grad_f
-        grad_g = torch.zeros_like(g) if grad_g is None else grad_g
-        # In the variables alpha' = sqrt(a) alpha, beta' = sqrt(b) beta the adjoint system is
-        # symmetric positive semi-definite (see implicit_adjoint).
-        half_a, half_b = log_a / 2, log_b / 2
-        kernel = torch.exp(half_a.unsqueeze(-1) + half_b.unsqueeze(-2) + (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / eps)
-        sqrt_a, sqrt_b = half_a.exp(), half_b.exp()
-        alpha, beta = implicit_adjoint(kernel, sqrt_a, sqrt_b, grad_f, grad_g, ctx.tol * 1e-4)
-        grad_cost = kernel * (alpha.unsqueeze(-1) * sqrt_b.unsqueeze(-2) + sqrt_a.unsqueeze(-1) * beta.unsqueeze(-2))
-        grad_log_a = -eps * sqrt_a * _rowsum(kernel, beta)
-        grad_log_b = -eps * sqrt_b * _colsum(kernel, alpha)
-        return grad_cost, _unbroadcast(grad_log_a, ctx, 1), _unbroadcast(grad_log_b, ctx, 2), None, None, None, None, None
-
-
-def _unbroadcast(grad: Tensor, ctx, index: int) -> Tensor | None:
-    """Sums ``grad`` down to the shape of saved input ``index`` (``None`` if not needed)."""
-    if not ctx.needs_input_grad[index]:
-        return None
-    shape = ctx.saved_tensors[index].shape
-    while grad.dim() > len(shape):
-        grad = grad.sum(0)
-    for dim, size in enumerate(shape):
-        if size == 1 and grad.shape[dim] != 1:
-            grad = grad.sum(dim, keepdim=True)
-    return grad
-
-
-def _check_arguments(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, max_iter: int, gradient: str) -> float:
-    """Validates the arguments of :func:`sinkhorn_solve`; returns ``epsilon`` as a float."""
-    if not (epsilon > 0 and math.isfinite(epsilon)):
-        raise ValueError(f"sinkhorn: epsilon must be finite and > 0, got {epsilon}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"sinkhorn: max_iter must be an int >= 1, got {max_iter!r}")
+def _check_problem(cost: Tensor, log_a: Tensor, log_b: Tensor) -> None:
+    """Validates the shapes and masses of a batch of problems (the settings check themselves)."""
     if cost.dim() < 2 or log_a.shape[-1:] != cost.shape[-2:-1] or log_b.shape[-1:] != cost.shape[-1:]:
         raise ValueError(
             f"sinkhorn: cost (..., N, M) = {tuple(cost.shape)} needs log_a (..., N) and log_b (..., M), got {tuple(log_a.shape)} and {tuple(log_b.shape)}"
         )
-    if gradient not in GRADIENT_MODES:
-        raise ValueError(f"sinkhorn: gradient must be one of {GRADIENT_MODES}, got {gradient!r}")
     check_equal_mass(log_a, log_b)
-    return float(epsilon)
+
+
+def solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings) -> SinkhornResult:
+    """Solves a batch of entropic OT problems with ``settings`` and reports how each solve ended.
+
+    Args:
+        cost: cost matrices ``C``, shape ``(..., N, M)``.
+        log_a: log source weights (summing to one), shape ``(..., N)``.
+        log_b: log target weights (summing to one; ``-inf`` allowed), shape ``(..., M)``.
+        settings: epsilon, annealing, stopping rule and gradient mode (see
+            :class:`SinkhornSettings` and the module docstring).
+
+    Returns:
+        A :class:`SinkhornResult` ``(f, g, converged, num_iterations, marginal_error)``: the
+        potentials ``(..., N)`` and ``(..., M)`` with the gradient path of ``settings.gradient``,
+        and per problem (shape ``(...)``, the batch), detached, whether it met ``threshold``
+        within ``max_iter``, the iterations it ran at the final ``epsilon``, and the L1
+        marginal error last measured.
+
+    Raises:
+        ValueError: mismatched shapes, or measures of unequal mass.
+
+    Example:
+        >>> import math
+        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+        >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
+        >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
+        >>> result = solve(cost, log_a, log_b, SinkhornSettings(0.1, threshold=1e-5, max_iter=500, gradient="unroll"))
+        >>> bool(result.converged), result.f.shape
+        (True, torch.Size([3]))
+    """
+    _check_problem(cost, log_a, log_b)
+    if settings.gradient == "implicit":
+        return implicit_solve(cost, log_a, log_b, settings)
+    if settings.gradient == "unroll":
+        return unrolled_solve(cost, log_a, log_b, settings)
+    with torch.no_grad():
+        result = forward_solve(cost, log_a, log_b, settings, stacklevel=4)
+    # One differentiable row update from the detached g: the plan's rows are exact and its
+    # derivatives are those of a row-softmax, which is what makes this mode approximate.
+    return result._replace(f=soft_min(cost, result.g, log_b, settings.epsilon, rows=False))
 
 
 def sinkhorn_solve(
@@ -365,18 +214,19 @@ def sinkhorn_solve(
 ) -> SinkhornResult:
     """Solves a batch of entropic OT problems and reports how each solve ended.
 
-    The potentials are those of :func:`sinkhorn` with the same arguments, bit for bit and with
-    the same gradient path; the diagnostics are detached.
+    :func:`solve` with the settings given as keywords. The potentials are those of
+    :func:`sinkhorn` with the same arguments, bit for bit and with the same gradient path; the
+    diagnostics are detached.
 
     Args:
         cost, log_a, log_b, epsilon, scaling, threshold, max_iter, gradient: as in
             :func:`sinkhorn`.
 
     Returns:
-        A :class:`SinkhornResult` ``(f, g, converged, num_iterations, marginal_error)``: the
-        potentials ``(..., N)`` and ``(..., M)``, and per problem (shape ``(...)``, the batch)
-        whether it met ``threshold`` within ``max_iter``, the iterations it ran at the final
-        ``epsilon``, and the L1 marginal error last measured.
+        The :class:`SinkhornResult` of :func:`solve`.
+
+    Raises:
+        ValueError: as :func:`sinkhorn`.
 
     Example:
         >>> import math, torch
@@ -391,18 +241,7 @@ def sinkhorn_solve(
         >>> hard.converged.tolist(), hard.num_iterations.tolist()
         ([False, False], [2, 2])
     """
-    epsilon = _check_arguments(cost, log_a, log_b, epsilon, max_iter, gradient)
-    if gradient == "implicit":
-        report: list[SinkhornResult] = []
-        f, g = _ImplicitSinkhorn.apply(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, report)
-        return report[0]._replace(f=f, g=g)
-    if gradient == "unroll":
-        return _unrolled_log_loop(cost, log_a, log_b, epsilon, scaling, threshold, max_iter)
-    with torch.no_grad():
-        result, _ = _solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, stacklevel=4)
-    # One differentiable row update from the detached g: the plan's rows are exact and its
-    # derivatives are those of a row-softmax, which is what makes this mode approximate.
-    return result._replace(f=_soft_min(cost, result.g, log_b, epsilon, rows=False))
+    return solve(cost, log_a, log_b, SinkhornSettings(epsilon, scaling, threshold, max_iter, gradient))
 
 
 def sinkhorn(
@@ -433,10 +272,11 @@ def sinkhorn(
         converged is only warned about here; :func:`sinkhorn_solve` returns it.
 
     Raises:
-        ValueError: on a bad ``epsilon``, ``max_iter`` or ``gradient``, mismatched shapes, or
-            measures of unequal mass.
+        ValueError: a setting out of range (see :class:`SinkhornSettings`), mismatched shapes,
+            or measures of unequal mass.
 
     Example:
+        >>> import math
         >>> x = torch.tensor([[0.0], [1.0], [2.0]])
         >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
         >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
@@ -489,6 +329,7 @@ def transport_plan(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Ten
         ``(..., N, M)``: the plan, with marginals ``a`` and ``b`` up to the solver's error.
 
     Example:
+        >>> import math
         >>> x = torch.tensor([[0.0], [1.0], [2.0]])
         >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
         >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()

@@ -5,19 +5,20 @@ See ``docs/math/smc.md#sinkhorn-in-the-log-domain``.
 The plan of a Sinkhorn iterate is ``P = diag(a u) K diag(b v)`` with the stabilised kernel
 ``K_ij = exp((f_i + g_j - C_ij) / eps)``: the potentials ``f, g`` hold what has been absorbed
 and the scalings ``u, v`` stay O(1). This module holds the pieces every stage of the solver
-(:mod:`pyro_smc.ops.sinkhorn_solver`) and the adjoint (:mod:`pyro_smc.ops.sinkhorn`) share:
+(:mod:`pyro_smc.ops.sinkhorn_solver`), the adjoint (:mod:`pyro_smc.ops.sinkhorn_implicit`) and
+the fused ensemble transform (:mod:`pyro_smc.ops.ensemble`) share:
 the batched products with ``K``, the exact log-domain c-transform, and the handling of points
 whose mass underflows to zero (treated as empty, their scalings pinned to 1).
 
 Example:
     >>> import math, torch
-    >>> from pyro_smc.ops.sinkhorn_kernel import _log_domain_update, _rowsum
+    >>> from pyro_smc.ops.sinkhorn_kernel import log_domain_update, rowsum
     >>> cost = torch.rand(2, 4, 3, dtype=torch.float64)
     >>> log_a = torch.full((2, 4), -math.log(4), dtype=torch.float64)
     >>> log_b = torch.full((2, 3), -math.log(3), dtype=torch.float64)
     >>> f, g = torch.zeros_like(log_a), torch.zeros_like(log_b)
-    >>> f, g, kernel = _log_domain_update(cost, f, g, log_a, log_b, 0.1, None, None)
-    >>> rows = log_a.exp() * _rowsum(kernel, log_b.exp())      # row sums of the plan: exact
+    >>> f, g, kernel = log_domain_update(cost, f, g, log_a, log_b, 0.1, None, None)
+    >>> rows = log_a.exp() * rowsum(kernel, log_b.exp())      # row sums of the plan: exact
     >>> bool(torch.allclose(rows, log_a.exp()))
     True
 """
@@ -32,49 +33,50 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+# Shared by the Sinkhorn modules and the fused ensemble transform, not part of the API.
 __all__: list[str] = []
 
 
-def _log_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
+def log_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
     """``(f_i + g_j - C_ij) / eps``, the log of the stabilised kernel."""
     return (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / eps
 
 
-def _rowsum(kernel: Tensor, v: Tensor) -> Tensor:
+def rowsum(kernel: Tensor, v: Tensor) -> Tensor:
     """``K v`` batched. Written as ``v^T K^T``: on CPU the row-vector form of a batched mat-vec
     is several times faster than ``K @ v[..., None]`` (measured 9x at 32 x 100 x 100)."""
     return (v.unsqueeze(-2) @ kernel.transpose(-1, -2)).squeeze(-2)
 
 
-def _colsum(kernel: Tensor, u: Tensor) -> Tensor:
+def colsum(kernel: Tensor, u: Tensor) -> Tensor:
     """``K^T u`` batched."""
     return (u.unsqueeze(-2) @ kernel).squeeze(-2)
 
 
-def _thin_matmul(kernel: Tensor, x: Tensor, transpose: bool = False) -> Tensor:
+def thin_matmul(kernel: Tensor, x: Tensor, transpose: bool = False) -> Tensor:
     """``K x`` (or ``K^T x``) for a thin ``x`` of shape ``(..., M, k)``, in the row form.
 
-    The same layout effect as in :func:`_rowsum`: ``(x^T K^T)^T`` with ``x^T`` contiguous ran
+    The same layout effect as in :func:`rowsum`: ``(x^T K^T)^T`` with ``x^T`` contiguous ran
     4x faster than ``K @ x`` at 32 x 100 x 100 with k = 3.
     """
     rows = x.transpose(-1, -2).contiguous()
     return (rows @ (kernel if transpose else kernel.transpose(-1, -2))).transpose(-1, -2)
 
 
-def _soft_min(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
+def soft_min(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
     """The c-transform ``-eps log sum exp((pot - C) / eps + log_w)`` over the points of ``pot``:
     ``rows=True`` maps row potentials ``f`` to column potentials ``g``, ``rows=False`` the reverse."""
-    return -eps * torch.logsumexp(_soft_min_logits(cost, pot, log_w, eps, rows), dim=-2 if rows else -1)
+    return -eps * torch.logsumexp(soft_min_logits(cost, pot, log_w, eps, rows), dim=-2 if rows else -1)
 
 
-def _soft_min_logits(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
-    """The exponents summed by :func:`_soft_min`, shape ``(..., N, M)``."""
+def soft_min_logits(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
+    """The exponents summed by :func:`soft_min`, shape ``(..., N, M)``."""
     if rows:
         return (pot.unsqueeze(-1) - cost) / eps + log_w.unsqueeze(-1)
     return (pot.unsqueeze(-2) - cost) / eps + log_w.unsqueeze(-2)
 
 
-def _pinned_reciprocal(sums: Tensor, pinned: Tensor | None) -> Tensor:
+def pinned_reciprocal(sums: Tensor, pinned: Tensor | None) -> Tensor:
     """``1 / sums``, with the scalings of zero-mass points (``pinned``) fixed at 1.
 
     The mask goes on the input, not the output: ``where(pinned, 1, 1 / sums)`` would still send
@@ -86,7 +88,7 @@ def _pinned_reciprocal(sums: Tensor, pinned: Tensor | None) -> Tensor:
     return 1 / torch.where(pinned, torch.ones_like(sums), sums)
 
 
-def _mask_kernel(kernel: Tensor, a_zero: Tensor | None, b_zero: Tensor | None) -> Tensor:
+def mask_kernel(kernel: Tensor, a_zero: Tensor | None, b_zero: Tensor | None) -> Tensor:
     """Zeroes the kernel's rows and columns of zero-mass points.
 
     Their entries carry no mass, but they are not bounded: a row far from every heavy particle
@@ -115,13 +117,13 @@ def _mask_kernel(kernel: Tensor, a_zero: Tensor | None, b_zero: Tensor | None) -
 
 
 @contextlib.contextmanager
-def _flush_denormals() -> Iterator[None]:
+def flush_denormals() -> Iterator[None]:
     """Runs the block with denormal floats flushed to zero on CPU, then restores the mode.
 
     Light particles (weights down to 1e-38 in float32) make products in the kernel mat-vecs
     fall below the smallest normal number, and CPU arithmetic on denormals is many times slower:
     flushing them halved the fused ensemble backward (0.86 s to 0.44 s) and cut the forward
-    from 1.37 s to 1.06 s on the float32 filter of ``benchmarks/bench_ot_cost.py``. Zeroing the
+    from 1.37 s to 1.06 s on the float32 filter of ``benchmarks/resampling/bench_ot_cost.py``. Zeroing the
     kernel's small entries does not help, since the products of normal numbers underflow. The
     values lost are below 1e-38 (float32) or 1e-308 (float64) of marginals that sum to one.
     PyTorch has no getter for the mode, so it is probed (a product that underflows) and only
@@ -140,41 +142,41 @@ def _flush_denormals() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
-def _flushing(fn: Callable) -> Callable:
-    """Decorator: runs ``fn`` under :func:`_flush_denormals` (the forward and backward of the
+def flushing(fn: Callable) -> Callable:
+    """Decorator: runs ``fn`` under :func:`flush_denormals` (the forward and backward of the
     fused autograd functions)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _flush_denormals():
+        with flush_denormals():
             return fn(*args, **kwargs)
 
     return wrapper
 
 
-def _zero_mass(log_w: Tensor) -> Tensor:
+def zero_mass(log_w: Tensor) -> Tensor:
     """Points whose mass is below the dtype's smallest normal number (denormals carry a few bits
     at best and their reciprocals overflow): the solver treats them as empty."""
     return log_w < math.log(torch.finfo(log_w.dtype).tiny)
 
 
-def _log_domain_update(
+def log_domain_update(
     cost: Tensor, f: Tensor, g: Tensor, log_a: Tensor, log_b: Tensor, eps: float, a_zero: Tensor | None, b_zero: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One exact log-domain column then row update; returns ``(f, g, kernel)`` with the new
     potentials absorbed, so the kernel is O(1) at every row's and column's maximum. Potentials of
     zero-mass particles (``a_zero`` / ``b_zero`` masks) are pinned to 0 and their kernel rows and
     columns to 0."""
-    g = _soft_min(cost, f, log_a, eps, rows=True)
-    f = _soft_min(cost, g, log_b, eps, rows=False)
+    g = soft_min(cost, f, log_a, eps, rows=True)
+    f = soft_min(cost, g, log_b, eps, rows=False)
     if a_zero is not None:
         f = torch.where(a_zero, torch.zeros_like(f), f)
     if b_zero is not None:
         g = torch.where(b_zero, torch.zeros_like(g), g)
-    return f, g, _mask_kernel(torch.exp(_log_kernel(cost, f, g, eps)), a_zero, b_zero)
+    return f, g, mask_kernel(torch.exp(log_kernel(cost, f, g, eps)), a_zero, b_zero)
 
 
-def _complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Gives points whose mass underflowed to zero their true potentials, the c-transforms
     ``g_j = -eps log sum_i a_i exp((f_i - C_ij) / eps)`` (and the same for ``f``).
 
@@ -188,9 +190,9 @@ def _complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g
     The c-transform is the potential the fixed point extends to those points, so every column
     of the plan then sums to its (underflowing) mass.
     """
-    a_zero, b_zero = _zero_mass(log_a), _zero_mass(log_b)
+    a_zero, b_zero = zero_mass(log_a), zero_mass(log_b)
     if bool(b_zero.any()):
-        g = torch.where(b_zero, _soft_min(cost, f, log_a, eps, rows=True), g)
+        g = torch.where(b_zero, soft_min(cost, f, log_a, eps, rows=True), g)
     if bool(a_zero.any()):
-        f = torch.where(a_zero, _soft_min(cost, g, log_b, eps, rows=False), f)
+        f = torch.where(a_zero, soft_min(cost, g, log_b, eps, rows=False), f)
     return f, g

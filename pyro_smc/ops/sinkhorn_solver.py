@@ -1,8 +1,9 @@
-r"""The forward Sinkhorn solver: epsilon scaling, stabilised kernel iterations, a typed result.
+r"""The forward Sinkhorn solver: its settings, epsilon scaling, stabilised kernel iterations and
+a typed result.
 
 See ``docs/math/smc.md#sinkhorn-in-the-log-domain`` and ``docs/math/smc.md#epsilon-scaling``.
 
-The solver behind :func:`pyro_smc.ops.sinkhorn.sinkhorn` (whose docstring describes the
+The solver behind :func:`pyro_smc.ops.sinkhorn.sinkhorn` (whose module docstring describes the
 algorithm and its gradients), cut into the stages of one solve:
 
 1. ``_anneal``: epsilon scaling, one symmetric averaged log-domain update per level;
@@ -14,142 +15,47 @@ algorithm and its gradients), cut into the stages of one solve:
 6. ``_compact`` / ``_finish``: finished problems leave the working set; potentials
    are read off the scalings.
 
-``_solve`` runs them and returns a :class:`SinkhornResult`: the potentials and, as detached
-per-problem diagnostics, whether each problem met the stopping rule, after how many iterations
-and with what marginal error. Code that calls a Sinkhorn-based op which returns something else
-(``ensemble_transform`` returns particles and a plan) reads the solves it ran with
-:func:`record_results`.
+:func:`forward_solve` runs them under whatever autograd mode is active and returns a
+:class:`SinkhornResult`: the potentials and, as detached per-problem diagnostics, whether each
+problem met the stopping rule, after how many iterations and with what marginal error. Its
+settings travel as one :class:`~pyro_smc.ops.sinkhorn.SinkhornSettings` (the types live in
+:mod:`pyro_smc.ops.sinkhorn_types`; :mod:`pyro_smc.ops.sinkhorn` re-exports and documents them).
 
 Example:
     >>> import math, torch
-    >>> from pyro_smc.ops.sinkhorn_solver import record_results, _solve
+    >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
+    >>> from pyro_smc.ops.sinkhorn_solver import forward_solve
     >>> cost = torch.rand(3, 6, 6, dtype=torch.float64)         # 3 problems, 6 x 6 points
     >>> log_w = torch.full((3, 6), -math.log(6), dtype=torch.float64)
-    >>> with record_results() as results:
-    ...     result, _ = _solve(cost, log_w, log_w, 0.5, 0.75, 1e-6, 1000)
-    >>> result.converged.shape, bool(result.converged.all()), len(results)
-    (torch.Size([3]), True, 1)
+    >>> result = forward_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-6, max_iter=1000))
+    >>> result.converged.shape, bool(result.converged.all())
+    (torch.Size([3]), True)
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from pyro_smc.ops.sinkhorn_kernel import (
-    _colsum,
-    _complete_zero_mass,
-    _log_domain_update,
-    _log_kernel,
-    _mask_kernel,
-    _pinned_reciprocal,
-    _rowsum,
-    _zero_mass,
+    colsum,
+    complete_zero_mass,
+    log_domain_update,
+    log_kernel,
+    mask_kernel,
+    pinned_reciprocal,
+    rowsum,
+    zero_mass,
 )
+from pyro_smc.ops.sinkhorn_types import SinkhornResult, SinkhornSettings, warn_unconverged
 
-__all__ = ["SinkhornConvergenceWarning", "SinkhornResult", "record_results"]
-
-
-class SinkhornConvergenceWarning(UserWarning):
-    """Warned when Sinkhorn stops at ``max_iter`` with a marginal error above ``threshold``.
-
-    The plan, and the gradients implied by it, are then inaccurate: raise ``max_iter`` or
-    ``epsilon``. Also warned when the implicit-gradient (adjoint) solve leaves a large residual.
-
-    Example:
-        >>> import math, warnings
-        >>> from pyro_smc.ops.sinkhorn import sinkhorn
-        >>> cost = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
-        >>> log_a, log_b = torch.full((2,), -math.log(2)), torch.tensor([0.9, 0.1]).log()
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     _ = sinkhorn(cost, log_a, log_b, epsilon=0.01, scaling=0.0, threshold=1e-9, max_iter=1)
-        >>> [w.category.__name__ for w in caught]
-        ['SinkhornConvergenceWarning']
-    """
+__all__ = ["forward_solve"]
 
 
-class SinkhornResult(NamedTuple):
-    """One batched Sinkhorn solve: the potentials and per-problem convergence diagnostics.
-
-    Attributes:
-        f: source potentials ``(..., N)``, with the gradient path of the chosen gradient mode.
-        g: target potentials ``(..., M)``, likewise.
-        converged: ``(...)`` bool, detached: whether the problem met the stopping rule (L1
-            marginal error below ``threshold``) before ``max_iter``.
-        num_iterations: ``(...)`` int64, detached: iterations run on the problem at the final
-            epsilon. A problem that converges early may keep iterating with the rest of the
-            batch (which only makes it more accurate), so this can exceed what it needed.
-        marginal_error: ``(...)``, detached, dtype of the cost: the L1 marginal error the
-            stopping rule measured at the problem's last check (``inf``/``nan`` where the
-            scalings overflowed on the last iteration).
-
-    Example:
-        >>> import math
-        >>> from pyro_smc.ops.sinkhorn import sinkhorn_solve
-        >>> cost = torch.tensor([[0.0, 1.0], [1.0, 0.0]]).expand(3, 2, 2)
-        >>> log_a, log_b = torch.full((3, 2), -math.log(2)), torch.tensor([0.6, 0.4]).log().expand(3, 2)
-        >>> result = sinkhorn_solve(cost, log_a, log_b, epsilon=0.5, threshold=1e-4)
-        >>> result.f.shape, result.converged.tolist(), bool((result.marginal_error < 1e-4).all())
-        (torch.Size([3, 2]), [True, True, True], True)
-    """
-
-    f: Tensor
-    g: Tensor
-    converged: Tensor
-    num_iterations: Tensor
-    marginal_error: Tensor
-
-
-_RECORDERS: contextvars.ContextVar[tuple[list[SinkhornResult], ...]] = contextvars.ContextVar("sinkhorn_recorders", default=())
-
-
-@contextlib.contextmanager
-def record_results() -> Iterator[list[SinkhornResult]]:
-    """Collects the :class:`SinkhornResult` of every solve run inside the ``with`` block.
-
-    For callers of ops built on Sinkhorn that do not return its result (such as
-    :func:`pyro_smc.ops.ensemble.ensemble_transform`). The recorded potentials are detached.
-    Blocks nest (each collects every solve inside it) and are local to a thread or task.
-
-    Yields:
-        A list of ``SinkhornResult``, appended to in the order the solves ran.
-
-    Example:
-        >>> from pyro_smc.ops.ensemble import ensemble_transform
-        >>> _ = torch.manual_seed(0)
-        >>> x, log_w = torch.randn(2, 20, 1), torch.randn(2, 20).log_softmax(-1)
-        >>> with record_results() as results:
-        ...     _ = ensemble_transform(x, log_w, threshold=1e-4, max_iter=500)
-        >>> len(results), results[0].converged.tolist()
-        (1, [True, True])
-    """
-    results: list[SinkhornResult] = []
-    token = _RECORDERS.set(_RECORDERS.get() + (results,))
-    try:
-        yield results
-    finally:
-        _RECORDERS.reset(token)
-
-
-def _publish(result: SinkhornResult) -> None:
-    """Hands a finished solve to every active :func:`record_results` block."""
-    recorders = _RECORDERS.get()
-    if recorders:
-        detached = result._replace(f=result.f.detach(), g=result.g.detach())
-        for results in recorders:
-            results.append(detached)
-
-
-# Annealing starts at this fraction of the mean cost (see _epsilon_schedule).
+# Annealing starts at this fraction of the mean cost (see epsilon_schedule).
 _ANNEAL_START = 0.25
 # Scalings outside [1/_BIG, _BIG] are absorbed into the potentials and the kernel rebuilt, so
 # the fast kernel-domain iterations never overflow (the log-stabilised Sinkhorn of Schmitzer).
@@ -160,7 +66,7 @@ _PLAIN_ITERS = 3
 _MAX_OMEGA = 1.8
 
 
-def _epsilon_schedule(cost: Tensor, epsilon: float, scaling: float) -> list[float]:
+def epsilon_schedule(cost: Tensor, epsilon: float, scaling: float) -> list[float]:
     """Annealing levels ``eps0 * scaling^k > epsilon`` (empty if off).
 
     ``eps0`` is a quarter of the mean cost. The textbook start, the maximum cost, is set by a few
@@ -190,23 +96,6 @@ def _relaxation(rate: Tensor) -> Tensor:
     return (2 / (1 + (1 - rate).sqrt())).clamp(1, _MAX_OMEGA).unsqueeze(-1)
 
 
-def _warn_unconverged(err: Tensor, threshold: float, max_iter: int, stacklevel: int = 3) -> None:
-    """Tells the user that some problems ended at ``max_iter`` above ``threshold``.
-
-    ``stacklevel`` counts from this function: the default names the caller of its caller.
-    """
-    err = err.detach()
-    bad = ~(err < threshold)
-    if bool(bad.any()):
-        warnings.warn(
-            f"sinkhorn: {int(bad.sum())} of {err.numel()} problems stopped at max_iter={max_iter} with a marginal error of "
-            f"up to {float(err[bad].max()):.3g} (threshold {threshold:g}); the transport and its gradient are inaccurate: "
-            "raise max_iter or epsilon",
-            SinkhornConvergenceWarning,
-            stacklevel=stacklevel,
-        )
-
-
 def _annealing_step(cost: Tensor, a: Tensor, b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """One epsilon-scaling level: the symmetric, averaged update of Feydy et al. (2019).
 
@@ -214,9 +103,9 @@ def _annealing_step(cost: Tensor, a: Tensor, b: Tensor, f: Tensor, g: Tensor, ep
     kernel-domain update per level is safe; ``log`` of an underflowed sum gives ``-inf``, which
     ``_anneal`` resets and the log-domain update of ``_start`` repairs.
     """
-    kernel = torch.exp(_log_kernel(cost, f, g, eps))
-    f_new = f - eps * torch.log(_rowsum(kernel, b))
-    g_new = g - eps * torch.log(_colsum(kernel, a))
+    kernel = torch.exp(log_kernel(cost, f, g, eps))
+    f_new = f - eps * torch.log(rowsum(kernel, b))
+    g_new = g - eps * torch.log(colsum(kernel, a))
     return (f + f_new) / 2, (g + g_new) / 2
 
 
@@ -225,7 +114,7 @@ def _anneal(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, scaling:
     ``False`` when the schedule is empty. Non-finite potentials are reset to zero."""
     f = torch.zeros_like(log_a)
     g = torch.zeros_like(log_b)
-    schedule = _epsilon_schedule(cost, epsilon, scaling)
+    schedule = epsilon_schedule(cost, epsilon, scaling)
     for eps in schedule:
         f, g = _annealing_step(cost, log_a.exp(), log_b.exp(), f, g, eps)
     if schedule:
@@ -276,23 +165,23 @@ def _start(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, ann
     When a row or column of the kernel underflows (to zero, or to denormals that keep only a few
     bits) the first column and row updates are taken in the log domain instead.
     """
-    a_zero, b_zero = _zero_mass(log_a), _zero_mass(log_b)
+    a_zero, b_zero = zero_mass(log_a), zero_mass(log_b)
     a_zero = a_zero if bool(a_zero.any()) else None
     b_zero = b_zero if bool(b_zero.any()) else None
     a = log_a.exp() if a_zero is None else log_a.exp().masked_fill(a_zero, 0.0)
     b = log_b.exp() if b_zero is None else log_b.exp().masked_fill(b_zero, 0.0)
     # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
-    kernel = torch.exp(_log_kernel(cost, f, g, eps)) if annealed else torch.exp(cost * (-1.0 / eps))
-    kernel = _mask_kernel(kernel, a_zero, b_zero)
+    kernel = torch.exp(log_kernel(cost, f, g, eps)) if annealed else torch.exp(cost * (-1.0 / eps))
+    kernel = mask_kernel(kernel, a_zero, b_zero)
     tiny = torch.finfo(kernel.dtype).tiny
-    row_sums, col_sums = _rowsum(kernel, b), _colsum(kernel, a)
+    row_sums, col_sums = rowsum(kernel, b), colsum(kernel, a)
     rows_ok = row_sums > tiny if a_zero is None else (row_sums > tiny) | a_zero
     cols_ok = col_sums > tiny if b_zero is None else (col_sums > tiny) | b_zero
     if not bool(rows_ok.all() & cols_ok.all() & torch.isfinite(row_sums).all()):
-        f, g, kernel = _log_domain_update(cost, f, g, log_a, log_b, eps, a_zero, b_zero)
+        f, g, kernel = log_domain_update(cost, f, g, log_a, log_b, eps, a_zero, b_zero)
         u = torch.ones_like(a)
     else:
-        u = _pinned_reciprocal(row_sums, a_zero)
+        u = pinned_reciprocal(row_sums, a_zero)
     return _Working(cost, log_a, log_b, a, b, a_zero, b_zero, kernel, f, g, u, torch.ones_like(b), u)
 
 
@@ -304,12 +193,12 @@ def _iteration(w: _Working, iters: int) -> Tensor:
     error before this iteration's row update.
     """
     w.u_prev, w.v_prev = w.u, w.v
-    v = _pinned_reciprocal(_colsum(w.kernel, w.a * w.u), w.b_zero)
+    v = pinned_reciprocal(colsum(w.kernel, w.a * w.u), w.b_zero)
     if w.omega is not None:
         v = w.v_prev.pow(1 - w.omega) * v.pow(w.omega)
-    kv = _rowsum(w.kernel, w.b * v)
+    kv = rowsum(w.kernel, w.b * v)
     err = (w.a * (w.u * kv - 1).abs()).sum(-1)
-    w.u_exact = _pinned_reciprocal(kv, w.a_zero)
+    w.u_exact = pinned_reciprocal(kv, w.a_zero)
     if iters == _PLAIN_ITERS and _MAX_OMEGA > 1:
         w.omega = _relaxation(err.detach() / w.err_prev.detach())
     w.err_prev = err
@@ -332,7 +221,7 @@ def _absorb(w: _Working, eps: float, overflow: bool) -> None:
     if overflow:
         w.u, w.v = w.u_prev, w.v_prev
     f, g = w.f + eps * torch.log(w.u), w.g + eps * torch.log(w.v)
-    w.f, w.g, w.kernel = _log_domain_update(w.cost, f, g, w.log_a, w.log_b, eps, w.a_zero, w.b_zero)
+    w.f, w.g, w.kernel = log_domain_update(w.cost, f, g, w.log_a, w.log_b, eps, w.a_zero, w.b_zero)
     w.u, w.v = torch.ones_like(w.u), torch.ones_like(w.v)
     w.u_exact = w.u
 
@@ -348,7 +237,7 @@ def _check_convergence(w: _Working, err: Tensor, threshold: float) -> tuple[Tens
     done = err < threshold
     error = err.detach()
     if w.omega is not None and bool(done.any()):
-        col_err = (w.b * (w.v * _colsum(w.kernel, w.a * w.u_exact) - 1).abs()).sum(-1)
+        col_err = (w.b * (w.v * colsum(w.kernel, w.a * w.u_exact) - 1).abs()).sum(-1)
         done = done & (col_err < threshold)
         error = torch.maximum(error, col_err.detach())
     return done, error
@@ -404,17 +293,9 @@ def _finish(w: _Working, out: _Finished | None, done: Tensor, error: Tensor, ite
     return out.f, out.g, out.converged, out.num_iterations, out.marginal_error
 
 
-def _solve(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: float,
-    scaling: float,
-    threshold: float,
-    max_iter: int,
-    stacklevel: int = 3,
-) -> tuple[SinkhornResult, int]:
-    """Annealed Sinkhorn, run under whatever autograd mode is active.
+def forward_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings, stacklevel: int = 3) -> SinkhornResult:
+    """Annealed Sinkhorn, run under whatever autograd mode is active (``settings.gradient`` is
+    not read: :func:`pyro_smc.ops.sinkhorn.solve` chooses how to differentiate).
 
     Each annealing level takes one symmetric, averaged log-domain update (Feydy et al.). At the
     final epsilon the iterations run in the kernel domain (two batched mat-vecs each) on a kernel
@@ -427,21 +308,31 @@ def _solve(
     The loop ends on a row update: rows of the plan are exact, columns within ``threshold``.
 
     Args:
-        cost, log_a, log_b, epsilon, scaling, threshold, max_iter: as in
-            :func:`pyro_smc.ops.sinkhorn.sinkhorn`; ``log_a`` and ``log_b`` broadcast to the
-            batch shape of ``cost``.
+        cost: cost matrices ``(..., N, M)``.
+        log_a, log_b: log-weights ``(..., N)`` and ``(..., M)``, broadcast to the batch shape of
+            ``cost``; of equal mass (not checked here).
+        settings: the solve's settings.
         stacklevel: of the convergence warning; the default, 3, attributes it to the caller.
 
     Returns:
-        ``(result, iterations)``: the :class:`SinkhornResult` (batch shape of ``cost``) and the
-        number of iterations the loop ran at the final epsilon.
+        The :class:`SinkhornResult` over the batch shape of ``cost``; the largest entry of
+        ``num_iterations`` is the number of iterations the loop ran at the final epsilon.
+
+    Example:
+        >>> import math, torch
+        >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
+        >>> cost = torch.rand(2, 5, 5, dtype=torch.float64)
+        >>> log_w = torch.full((2, 5), -math.log(5), dtype=torch.float64)
+        >>> forward_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=500)).converged.tolist()
+        [True, True]
     """
+    epsilon, threshold, max_iter = settings.epsilon, settings.threshold, settings.max_iter
     batch_shape = cost.shape[:-2]
     n, m = cost.shape[-2:]
     cost = cost.reshape(-1, n, m)
     log_a = log_a.expand(batch_shape + (n,)).reshape(-1, n)
     log_b = log_b.expand(batch_shape + (m,)).reshape(-1, m)
-    f, g, annealed = _anneal(cost, log_a, log_b, epsilon, scaling)
+    f, g, annealed = _anneal(cost, log_a, log_b, epsilon, settings.scaling)
     w = _start(cost, log_a, log_b, f, g, annealed, epsilon)
     pinned = w.a_zero is not None or w.b_zero is not None
     compact = not torch.is_grad_enabled()
@@ -465,32 +356,16 @@ def _solve(
             out = _compact(w, out, done, error, iters, epsilon)
             done, error = done[keep], error[keep]
     else:
-        _warn_unconverged(err, threshold, max_iter, stacklevel)
+        warn_unconverged(err, threshold, max_iter, stacklevel)
     if done is None:
         done = torch.zeros(error.shape, dtype=torch.bool, device=error.device)
     f, g, converged, num_iterations, marginal_error = _finish(w, out, done, error, iters, epsilon)
     if pinned:
-        f, g = _complete_zero_mass(cost, log_a, log_b, f, g, epsilon)
-    result = SinkhornResult(
+        f, g = complete_zero_mass(cost, log_a, log_b, f, g, epsilon)
+    return SinkhornResult(
         f.reshape(batch_shape + (n,)),
         g.reshape(batch_shape + (m,)),
         converged.reshape(batch_shape),
         num_iterations.reshape(batch_shape),
         marginal_error.reshape(batch_shape),
     )
-    _publish(result)
-    return result, iters
-
-
-def _solve_loop(
-    cost: Tensor,
-    log_a: Tensor,
-    log_b: Tensor,
-    epsilon: float,
-    scaling: float,
-    threshold: float,
-    max_iter: int,
-) -> tuple[Tensor, Tensor, int]:
-    """``_solve`` returning ``(f, g, iterations)``, the form the fused ops and tests use."""
-    result, iters = _solve(cost, log_a, log_b, epsilon, scaling, threshold, max_iter, stacklevel=4)
-    return result.f, result.g, iters

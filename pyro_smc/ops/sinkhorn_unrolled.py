@@ -3,16 +3,17 @@ r"""Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under
 See ``docs/math/smc.md#gradient-modes``.
 
 Autograd differentiates the returned iterate through every iteration. The kernel-domain loop of
-:mod:`pyro_smc.ops.sinkhorn_solver` cannot be unrolled safely (see ``_unrolled_log_loop``),
+:mod:`pyro_smc.ops.sinkhorn_solver` cannot be unrolled safely (see ``unrolled_solve``),
 so this mode runs its own loop on exact c-transforms, each a ``_SoftMin`` that stores only
 vectors for the backward pass.
 
 Example:
     >>> import math, torch
-    >>> from pyro_smc.ops.sinkhorn_unrolled import _unrolled_log_loop
+    >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
+    >>> from pyro_smc.ops.sinkhorn_unrolled import unrolled_solve
     >>> cost = torch.rand(2, 5, 5, dtype=torch.float64, requires_grad=True)
     >>> log_w = torch.full((2, 5), -math.log(5), dtype=torch.float64)
-    >>> result = _unrolled_log_loop(cost, log_w, log_w, 0.5, 0.75, 1e-8, 1000)
+    >>> result = unrolled_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=1000, gradient="unroll"))
     >>> result.f.requires_grad, result.converged.tolist()
     (True, [True, True])
 """
@@ -24,9 +25,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pyro_smc.ops.sinkhorn_kernel import _soft_min, _soft_min_logits
-from pyro_smc.ops.sinkhorn_solver import SinkhornResult, _epsilon_schedule, _publish, _warn_unconverged
+from pyro_smc.ops.sinkhorn_kernel import soft_min, soft_min_logits
+from pyro_smc.ops.sinkhorn_solver import epsilon_schedule
+from pyro_smc.ops.sinkhorn_types import SinkhornResult, SinkhornSettings, warn_unconverged
 
+# unrolled_solve is reached through pyro_smc.ops.sinkhorn.solve (gradient="unroll"), not the API.
 __all__: list[str] = []
 
 
@@ -41,7 +44,7 @@ class _SoftMin(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cost, pot, log_w, eps, rows):
         # rows=True: pot lives on the rows (dim -2) and the result on the columns.
-        out = _soft_min(cost, pot, log_w, eps, rows)
+        out = soft_min(cost, pot, log_w, eps, rows)
         ctx.save_for_backward(cost, pot, log_w, out)
         ctx.eps, ctx.rows = eps, rows
         return out
@@ -52,7 +55,7 @@ class _SoftMin(torch.autograd.Function):
         eps, rows = ctx.eps, ctx.rows
         reduce_dim, keep_dim = (-2, -1) if rows else (-1, -2)
         # softmax over the reduced points, times the incoming gradient of each result entry.
-        weights = torch.exp(_soft_min_logits(cost, pot, log_w, eps, rows) + (out / eps).unsqueeze(reduce_dim))
+        weights = torch.exp(soft_min_logits(cost, pot, log_w, eps, rows) + (out / eps).unsqueeze(reduce_dim))
         weights = weights * grad_out.unsqueeze(reduce_dim)
         grad_cost = weights if ctx.needs_input_grad[0] else None
         grad_pot = -weights.sum(keep_dim)
@@ -72,10 +75,10 @@ def _c_transforms(cost: Tensor, log_a: Tensor, log_b: Tensor, eps: float) -> tup
     return g_of, f_of
 
 
-def _unrolled_log_loop(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, scaling: float, threshold: float, max_iter: int) -> SinkhornResult:
+def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings) -> SinkhornResult:
     """Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
 
-    The fast loop of :func:`pyro_smc.ops.sinkhorn_solver._solve` works on scalings
+    The fast loop of :func:`pyro_smc.ops.sinkhorn_solver.forward_solve` works on scalings
     ``u = 1 / (K v)``, whose derivative ``-1 / (K v)^2`` overflows (float32: as soon as a row's
     kernel sum falls below 1e-19) and then meets the kernel's zeros as ``inf * 0 = NaN``: sharp
     likelihoods made every unrolled gradient NaN. Log-sum-exp updates differentiate into
@@ -91,12 +94,13 @@ def _unrolled_log_loop(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: floa
         number of iterations, and ``marginal_error`` is the column error of the returned plan
         (its rows are exact).
     """
+    epsilon, threshold, max_iter = settings.epsilon, settings.threshold, settings.max_iter
     batch_shape = torch.broadcast_shapes(cost.shape[:-2], log_a.shape[:-1], log_b.shape[:-1])
     log_a = log_a.expand(batch_shape + log_a.shape[-1:])
     log_b = log_b.expand(batch_shape + log_b.shape[-1:])
     f = torch.zeros_like(log_a)
     g = torch.zeros_like(log_b)
-    for eps in _epsilon_schedule(cost, epsilon, scaling):
+    for eps in epsilon_schedule(cost, epsilon, settings.scaling):
         g_of, f_of = _c_transforms(cost, log_a, log_b, eps)
         f, g = (f + f_of(g)) / 2, (g + g_of(f)) / 2
     g_of, f_of = _c_transforms(cost, log_a, log_b, epsilon)
@@ -112,9 +116,7 @@ def _unrolled_log_loop(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: floa
             break
         g = g_next
     else:
-        _warn_unconverged(err, threshold, max_iter, stacklevel=4)
+        warn_unconverged(err, threshold, max_iter, stacklevel=4)
     err = err.detach()
     iterations = torch.full(err.shape, iters, dtype=torch.long, device=err.device)
-    result = SinkhornResult(f, g, err < threshold, iterations, err)
-    _publish(result)
-    return result
+    return SinkhornResult(f, g, err < threshold, iterations, err)

@@ -1,5 +1,5 @@
 """The sharp-likelihood AR(1) model of the OT-gradient tests, its data, and per-run gradients of
-log Z_hat (shared with benchmarks/bench_epsilon.py)."""
+log Z_hat (a copy lives in benchmarks/resampling/_sharp_ar1.py: keep the two alike)."""
 
 import pyro
 import pyro.distributions as dist

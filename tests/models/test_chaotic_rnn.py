@@ -69,15 +69,13 @@ def test_laplace_start_on_a_student_t_observation():
     assert 1.5 < float(vf.filtering_distribution().mean) < 2.5
 
 
-def test_state_dim_and_the_old_dim_name():
+def test_state_dim_and_the_protocols():
     from pyro_smc.models.protocol import GaussianStateSpaceModel, StateSpaceModel
 
     rnn = ChaoticRNN(3, generator=torch.Generator().manual_seed(0))
     assert rnn.state_dim == rnn.obs_dim == 3
     assert isinstance(rnn, StateSpaceModel) and not isinstance(rnn, GaussianStateSpaceModel)
     assert isinstance(rnn.as_nonlinear_gaussian(), GaussianStateSpaceModel)
-    with pytest.warns(FutureWarning, match="state_dim"):
-        old = ChaoticRNN(dim=3, weight=rnn.weight)
-    assert old.state_dim == 3
-    with pytest.warns(FutureWarning, match="state_dim"):
-        assert rnn.dim == 3
+    with pytest.raises(TypeError):
+        ChaoticRNN(dim=3)  # the removed old name
+    assert not hasattr(rnn, "dim")

@@ -7,7 +7,7 @@ from pyro_smc.models import NonlinearGaussianSSM
 from tests.models.test_linear_gaussian import BAD_COVARIANCES
 
 
-# (transition_cov, negative) is already in tests/infer/test_ep_smoother.py::test_bad_input.
+# (transition_cov, negative) is already in tests/infer/gaussian/test_ep.py::test_bad_input.
 NONLINEAR_BAD_COVARIANCES = [
     pytest.param(name, make, match, id=f"{name}-{kind}")
     for name in ("transition_cov", "observation_cov", "init_cov")

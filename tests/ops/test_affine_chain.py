@@ -81,11 +81,11 @@ def test_time_invariant_matches_kalman(parallel):
     smooth = rts_smoother(filt, A)
     pairs = [
         (out.predicted_means, filt.predicted_means),
-        (out.predicted_covs, filt.predicted_covariances),
-        (out.filtered_means, filt.means),
-        (out.filtered_covs, filt.covariances),
-        (out.smoothed_means, smooth.means),
-        (out.smoothed_covs, smooth.covariances),
+        (out.predicted_covariances, filt.predicted_covariances),
+        (out.filtering_means, filt.means),
+        (out.filtering_covariances, filt.covariances),
+        (out.means, smooth.means),
+        (out.covariances, smooth.covariances),
         (out.log_evidence_increments, filt.log_evidence_increments),
     ]
     for x, y in pairs:
@@ -113,8 +113,8 @@ def test_random_affine_parallel_matches_sequential_and_dense(T, seed):
     seq = affine_chain_smoother(*args, parallel=False)
     _assert_results_close(par, seq, 1e-9)
     means, covs, incs = _dense(*args)
-    assert torch.allclose(par.smoothed_means, means, atol=1e-9, rtol=0)
-    assert torch.allclose(par.smoothed_covs, covs, atol=1e-9, rtol=0)
+    assert torch.allclose(par.means, means, atol=1e-9, rtol=0)
+    assert torch.allclose(par.covariances, covs, atol=1e-9, rtol=0)
     assert torch.allclose(par.log_evidence_increments, incs, atol=1e-9, rtol=0)
 
 
@@ -131,8 +131,8 @@ def test_missing_data(seed):
     seq = affine_chain_smoother(m0, P0, F, c, Q, H, r, R, observed, parallel=False)
     _assert_results_close(par, seq, 1e-9)
     means, covs, incs = _dense(m0, P0, F, c, Q, H, r, R, observed)
-    assert torch.allclose(par.smoothed_means, means, atol=1e-9, rtol=0)
-    assert torch.allclose(par.smoothed_covs, covs, atol=1e-9, rtol=0)
+    assert torch.allclose(par.means, means, atol=1e-9, rtol=0)
+    assert torch.allclose(par.covariances, covs, atol=1e-9, rtol=0)
     assert torch.allclose(par.log_evidence_increments, incs, atol=1e-9, rtol=0)
     none = ~observed.any(-1)
     assert (par.log_evidence_increments[none] == 0).all() and (seq.log_evidence_increments[none] == 0).all()
@@ -142,7 +142,7 @@ def test_missing_data(seed):
     grads = []
     for parallel in (True, False):
         out = affine_chain_smoother(*leaves, observed, parallel=parallel)
-        grads.append(torch.autograd.grad(out.log_evidence_increments.sum() + out.smoothed_means.sum(), leaves))
+        grads.append(torch.autograd.grad(out.log_evidence_increments.sum() + out.means.sum(), leaves))
     for i, (gp, gs) in enumerate(zip(*grads)):
         if i in (1, 4, 7):  # covariances: the paths symmetrise differently, so compare symmetric parts
             gp, gs = gp + gp.mT, gs + gs.mT
@@ -162,7 +162,7 @@ def test_gradcheck_parallel():
 
     def fn(m0, F, c, H, r, BP, BQ, BR):
         out = affine_chain_smoother(m0, spd(BP), F, c, spd(BQ), H, r, spd(BR))
-        return out.log_evidence_increments.sum(), out.smoothed_means
+        return out.log_evidence_increments.sum(), out.means
 
     assert torch.autograd.gradcheck(fn, (*leaves, BP, BQ, BR))
 

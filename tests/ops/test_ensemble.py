@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-import pyro_smc.ops.sinkhorn as sk
+import pyro_smc.ops.sinkhorn_implicit as sk
 from pyro_smc.ops.ensemble import ensemble_transform
 from tests.cases import DTYPE_IDS, DTYPES, EPSILONS, ot_threshold
 

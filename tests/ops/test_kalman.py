@@ -137,12 +137,11 @@ def test_inf_is_an_error_naming_the_step():
         kalman_filter(ys, A, Q, C, R, m0, P0)
 
 
-def test_old_result_names_warn():
+def test_the_evidence_is_the_sum_of_its_increments_and_the_smoother_keeps_it():
     A, Q, C, R, m0, P0, _ = _random_model(2, 2, 0)
     out = kalman_filter(torch.zeros(3, 2), A, Q, C, R, m0, P0)
-    with pytest.warns(FutureWarning, match="log_evidence_increments"):
-        old = out.log_likelihoods
-    assert torch.equal(old, out.log_evidence_increments)
+    assert not hasattr(out, "log_likelihoods")  # the removed old name
+    assert torch.equal(out.log_evidence, out.log_evidence_increments.sum(0))
     assert torch.equal(rts_smoother(out, A).log_evidence, out.log_evidence)
 
 

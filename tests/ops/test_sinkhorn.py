@@ -7,10 +7,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pyro_smc.ops.ensemble import ensemble_transform
-from pyro_smc.ops.sinkhorn import _solve_loop, sinkhorn, squared_distances, transport_plan
+from pyro_smc.ops.sinkhorn import SinkhornSettings, sinkhorn, squared_distances, transport_plan
+from pyro_smc.ops.sinkhorn_solver import forward_solve
 from pyro_smc.ops.weights import normalize
 from pyro_smc.resamplers import OTResampler
 from tests.property_cases import F32, FLOAT_DTYPES, PROPERTY, SEEDS, eps, gen
+
+
+def _forward(cost, log_a, log_b, epsilon, scaling, threshold, max_iter):
+    """``(f, g, iterations)`` of the forward solver: ``iterations`` is the loop count at the final
+    epsilon, the largest entry of ``num_iterations``."""
+    result = forward_solve(cost, log_a, log_b, SinkhornSettings(epsilon, scaling, threshold, max_iter), stacklevel=4)
+    return result.f, result.g, int(result.num_iterations.max())
 
 
 def _problem(batch, n, m, d=2, seed=0, spread=1.0):
@@ -173,14 +181,14 @@ def test_float32_masses_below_the_smallest_normal_number_do_not_stall_the_solver
     import pathlib
     import warnings
 
-    from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning, _solve_loop
+    from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 
     problem = torch.load(pathlib.Path(__file__).parents[1] / "data" / "sinkhorn_float32_ess1.pt")
     cost, log_a, log_b = problem["cost"], problem["log_a"], problem["log_b"]
     assert cost.dtype == torch.float32 and bool(((log_b > -103.9) & (log_b < -87.4)).any())
     with warnings.catch_warnings():
         warnings.simplefilter("error", SinkhornConvergenceWarning)
-        f, g, iterations = _solve_loop(cost, log_a, log_b, 0.5, 0.75, 1e-3, 100)
+        f, g, iterations = _forward(cost, log_a, log_b, 0.5, 0.75, 1e-3, 100)
     assert iterations < 10
     plan = transport_plan(cost.double(), log_a.double(), log_b.double(), f.double(), g.double(), 0.5)
     assert float((plan.sum(-2) - log_b.double().exp()).abs().sum()) < 1e-3
@@ -307,7 +315,7 @@ def test_sinkhorn_float32_degenerate_marginals_converge_early():
     log_a = (1e4 * torch.randn(3, 12, generator=g, dtype=f32)).log_softmax(-1)
     log_b = (1e4 * torch.randn(3, 4, generator=g, dtype=f32)).log_softmax(-1)
     with torch.no_grad():
-        _, _, iterations = _solve_loop(squared_distances(x, y), log_a, log_b, 0.3, 0.0, 1e-3, 2000)
+        _, _, iterations = _forward(squared_distances(x, y), log_a, log_b, 0.3, 0.0, 1e-3, 2000)
     # float64 converges in 1 iteration on the same problem; float32 uses all 2000.
     assert iterations < 100
 
@@ -403,24 +411,9 @@ def test_result_diagnostics_are_per_problem_when_problems_converge_at_different_
     assert bool((column_error[~result.converged] > 1e-8).all())
 
 
-def test_record_results_collects_every_solve_inside_the_block_detached():
-    from pyro_smc.ops.sinkhorn import record_results, sinkhorn_solve
-
+def test_forward_solve_returns_potentials_and_the_loop_count():
     cost, log_a, log_b = _hard_and_easy()
-    cost.requires_grad_()
-    with record_results() as outer:
-        first = sinkhorn_solve(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=1000, gradient="unroll")
-        with record_results() as inner:
-            sinkhorn(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=1000)
-    sinkhorn(cost, log_a, log_b, 0.5, threshold=1e-6, max_iter=1000)  # outside: not recorded
-    assert len(outer) == 2 and len(inner) == 1 and inner[0] is outer[1]
-    assert first.f.requires_grad and not outer[0].f.requires_grad
-    assert torch.equal(outer[0].f, first.f.detach()) and torch.equal(outer[0].converged, first.converged)
-
-
-def test_solve_loop_keeps_its_return_form():
-    cost, log_a, log_b = _hard_and_easy()
-    f, gg, iterations = _solve_loop(cost, log_a, log_b, 0.5, 0.75, 1e-6, 1000)
+    f, gg, iterations = _forward(cost, log_a, log_b, 0.5, 0.75, 1e-6, 1000)
     assert f.shape == gg.shape == (3, 30) and isinstance(iterations, int) and 1 <= iterations < 1000
 
 

@@ -1,0 +1,328 @@
+r"""Gaussian projections: the moments of ``a = f(x, t) + noise`` for ``x ~ N(m, P)``.
+
+See ``docs/math/ep.md#gaussian-projections``.
+
+Every Gaussian filter, smoother and EP update in pyro_smc reduces a nonlinear map to three
+moments, the mean ``mu_a``, covariance ``S_a`` and input-output covariance ``C = Cov[x, a]``
+of ``a`` under a Gaussian ``x``, and then treats the map as the implicit linear model
+``a = J x + c + eps`` with ``J = C^T P^{-1}``, ``c = mu_a - J m`` and
+``Cov[eps] = S_a - J P J^T``. A projection is a strategy object, a :class:`Projection`, that
+says how to get the moments:
+
+* :class:`Linearization` (EKF/EKS; GP-EKS for GPs): ``J = df/dx`` at ``m`` by autograd (the GP
+  posterior-mean Jacobian), ``mu_a = f(m)``, ``S_a = J P J^T (+ GP variance at m)``.
+* :class:`Unscented` (UKF/URTSS): sigma points through ``f``; for a GP the mean predictive
+  variance over the sigma points is added. Settings per factor:
+  ``Unscented(kappa=3.0, observation=dict(kappa=2.0))``.
+* :class:`MomentMatching` (GP-ADF/GP-RTSS/GPADS): the exact moments of an SE-ARD GP at a
+  Gaussian input. A plain callable has no exact moments; it falls back to ``Unscented()`` (or
+  the ``fallback=`` given).
+
+A new projection is a subclass that implements :meth:`Projection.map_moments`; the engines
+(:class:`pyro_smc.EPSmoother`, :func:`pyro_smc.infer.gaussian_filter`, ...) take it through
+``projection=`` unchanged. The names ``"linearization"``, ``"unscented"`` and
+``"moment_matching"`` stay accepted and mean the default objects (:func:`as_projection`).
+
+``fn`` is what a :class:`~pyro_smc.models.protocol.GaussianStateSpaceModel` exposes as
+``transition_fn``/``observation_fn``: a callable ``fn(x, t)`` batched over the leading dims of
+``x``, or a GP posterior (``predict``, ``predict_moments``, ``linearize``).
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.infer import Linearization
+    >>> m, P = torch.zeros(1, dtype=torch.float64), torch.eye(1, dtype=torch.float64)
+    >>> mu, S, C = Linearization().moments(lambda x, t: 2 * x, m, P, 0, noise_cov=0.5 * P)
+    >>> S.item(), C.item()
+    (4.5, 2.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from pyro_smc.models.nonlinear_gaussian import is_gp, is_time_invariant
+from pyro_smc.ops.unscented import sigma_points, unscented_moments
+
+__all__ = ["PROJECTIONS", "Linearization", "MomentMatching", "Projection", "Unscented", "as_projection", "project"]
+
+PROJECTIONS = ("moment_matching", "linearization", "unscented")
+_UT_KEYS = ("alpha", "beta", "kappa")
+
+
+class Projection:
+    """How a Gaussian engine gets the moments of a map at a Gaussian input (the base class).
+
+    Subclasses implement :meth:`map_moments`; :meth:`for_factor` lets a projection use different
+    settings for the transition and the observation (the default: the same object for both).
+
+    Example:
+        A projection that knows the exact moments of the linear map ``fn(x, t) = 2 x``:
+
+        >>> import torch
+        >>> from pyro_smc.infer import Projection
+        >>> class Doubling(Projection):
+        ...     def map_moments(self, fn, mean, cov, t):
+        ...         return 2 * mean, 4 * cov, 2 * cov          # mu (e,), S (e, e), C (d, e)
+        >>> mu, S, C = Doubling().moments(None, torch.zeros(1), torch.eye(1), 0, noise_cov=torch.eye(1))
+        >>> S                                                  # 4 P + noise
+        tensor([[5.]])
+    """
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Moments of ``fn(x, t)`` (no noise) for ``x ~ N(mean, cov)``.
+
+        Args:
+            fn: a callable ``fn(x, t)`` batched over the leading dims of ``x``, or a GP posterior.
+            mean: ``(d,)``.
+            cov: ``(d, d)``.
+            t: the time index passed to a callable.
+
+        Returns:
+            ``(mu (e,), S (e, e), C (d, e))``.
+        """
+        raise NotImplementedError
+
+    def moments(self, fn, mean: Tensor, cov: Tensor, t: int, noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Moments of ``fn(x, t) + noise`` with ``noise ~ N(0, noise_cov)`` (``None``: no noise).
+
+        Returns:
+            ``(mu_a (e,), S_a (e, e) symmetrised, C (d, e))``.
+        """
+        return _with_noise(*self.map_moments(fn, mean, cov, t), noise_cov)
+
+    def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`map_moments` at a batch of Gaussians, ``mean`` ``(B, d)`` and ``cov``
+        ``(B, d, d)``, member ``b`` at time ``ts[b]``; returns ``(mu (B, e), S (B, e, e), C (B, d, e))``.
+
+        The default calls :meth:`map_moments` once per member, so every subclass works; the
+        built-in projections override it with one batched evaluation (the parallel EP schedule
+        projects all ``T`` factors at once).
+        """
+        parts = [self.map_moments(fn, mean[b], cov[b], int(t)) for b, t in enumerate(ts)]
+        return tuple(torch.stack(column) for column in zip(*parts))
+
+    def moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int], noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`moments` at a batch of Gaussians (see :meth:`map_moments_batch`).
+
+        Example:
+            >>> import torch
+            >>> from pyro_smc.infer import Unscented
+            >>> means, covs = torch.randn(4, 2, dtype=torch.float64), torch.eye(2, dtype=torch.float64).expand(4, 2, 2)
+            >>> fn = lambda x, t: torch.sin(x) + t
+            >>> batched = Unscented().moments_batch(fn, means, covs, range(4))
+            >>> one = Unscented().moments(fn, means[3], covs[3], 3)
+            >>> all(torch.allclose(b[3], o) for b, o in zip(batched, one))
+            True
+        """
+        return _with_noise(*self.map_moments_batch(fn, mean, cov, ts), noise_cov)
+
+    def for_factor(self, factor: str) -> Projection:
+        """The projection to use for ``factor`` (``"transition"`` or ``"observation"``)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Linearization(Projection):
+    """First-order Taylor expansion at the mean (EKF/EKS; GP-EKF/GP-EKS for a GP).
+
+    ``map_moments`` returns ``mu = f(m)`` ``(e,)``, ``S = J P J^T`` ``(e, e)`` (plus the GP
+    variance at ``m``) and ``C = P J^T`` ``(d, e)``, with ``J = df/dx`` at ``m`` by autograd.
+
+    Example:
+        For ``f(x) = x^2`` at ``m = 1`` the Jacobian is 2, so ``S = 4 P``:
+
+        >>> import torch
+        >>> from pyro_smc.infer import Linearization
+        >>> mu, S, C = Linearization().map_moments(lambda x, t: x**2, torch.ones(1), 0.5 * torch.eye(1), 0)
+        >>> mu.item(), S.item(), C.item()
+        (1.0, 2.0, 1.0)
+    """
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn):
+            mu, J, var = fn.linearize(mean)
+            S = J @ cov @ J.transpose(-1, -2) + torch.diag_embed(var)
+        else:
+            mu = fn(mean, t)
+            J = torch.autograd.functional.jacobian(lambda x: fn(x, t), mean, create_graph=torch.is_grad_enabled(), vectorize=True)
+            S = J @ cov @ J.transpose(-1, -2)
+        return mu, S, cov @ J.transpose(-1, -2)
+
+
+class Unscented(Projection):
+    """The unscented transform (UKF/URTSS).
+
+    Args:
+        alpha, beta, kappa: sigma-point settings for both factors (``None``: the defaults of
+            :func:`pyro_smc.ops.unscented.sigma_points`, ``1``, ``0`` and ``max(3 - d, 0)``).
+        transition, observation: dicts of ``alpha``/``beta``/``kappa`` that override the shared
+            settings for that factor (Kamthe et al. use ``kappa = 3`` for the dynamics and
+            ``kappa = 2`` for the measurement).
+
+    ``map_moments`` returns ``mu (e,)``, ``S (e, e)`` and ``C (d, e)`` from the sigma points.
+
+    Raises:
+        ValueError: a per-factor dict has a key other than ``alpha``, ``beta`` or ``kappa``.
+
+    Example:
+        The transform is exact for a linear map, and ``for_factor`` applies the overrides:
+
+        >>> import torch
+        >>> from pyro_smc.infer import Unscented
+        >>> ut = Unscented(kappa=3.0, observation=dict(kappa=2.0))
+        >>> mu, S, C = ut.map_moments(lambda x, t: 2 * x, torch.zeros(2), torch.eye(2), 0)
+        >>> torch.allclose(S, 4 * torch.eye(2)), torch.allclose(C, 2 * torch.eye(2))
+        (True, True)
+        >>> ut.for_factor("observation")
+        Unscented(kappa=2.0)
+    """
+
+    def __init__(
+        self, alpha: float | None = None, beta: float | None = None, kappa: float | None = None, *, transition: dict | None = None, observation: dict | None = None
+    ):
+        self.settings = {k: v for k, v in zip(_UT_KEYS, (alpha, beta, kappa)) if v is not None}
+        self.per_factor = {}
+        for name, overrides in (("transition", transition), ("observation", observation)):
+            overrides = dict(overrides or {})
+            unknown = set(overrides) - set(_UT_KEYS)
+            if unknown:
+                raise ValueError(f"Unscented({name}=...): unknown keys {sorted(unknown)}; use alpha, beta, kappa")
+            self.per_factor[name] = overrides
+
+    def for_factor(self, factor: str) -> Unscented:
+        if not self.per_factor.get(factor):
+            return self
+        return Unscented(**{**self.settings, **self.per_factor[factor]})
+
+    def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn) or is_time_invariant(fn):
+            return self.map_moments(fn, mean, cov, 0)  # one call on the (B, 2d + 1, d) sigma points
+        ts = [int(t) for t in ts]
+        return unscented_moments(lambda points: torch.stack([fn(p, t) for p, t in zip(points, ts)]), mean, cov, **self.settings)
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        if not is_gp(fn):
+            return unscented_moments(lambda x: fn(x, t), mean, cov, **self.settings)
+        gp_var = []
+
+        def values(points: Tensor) -> Tensor:
+            mu, var = fn.predict(points)
+            gp_var.append(var)
+            return mu
+
+        mu, S, C = unscented_moments(values, mean, cov, **self.settings)
+        _, wm, _ = sigma_points(mean, cov, **self.settings)
+        return mu, S + torch.diag_embed(wm @ gp_var[0]), C
+
+    def __repr__(self) -> str:
+        args = [f"{k}={v!r}" for k, v in self.settings.items()] + [f"{k}={v!r}" for k, v in self.per_factor.items() if v]
+        return f"Unscented({', '.join(args)})"
+
+
+class MomentMatching(Projection):
+    """Exact moments of a GP at a Gaussian input (GP-ADF/GP-RTSS); ``fallback`` (default
+    :class:`Unscented`) for a plain callable, which has no exact moments.
+
+    Args:
+        fallback: the projection used for a callable that is not a GP posterior.
+
+    ``map_moments`` returns ``mu (e,)``, ``S (e, e)`` and ``C (d, e)``.
+
+    Example:
+        A plain callable gets the fallback's moments:
+
+        >>> import torch
+        >>> from pyro_smc.infer import MomentMatching, Unscented
+        >>> args = (lambda x, t: torch.sin(x), torch.zeros(1), torch.eye(1), 0)
+        >>> mm = MomentMatching()
+        >>> mm
+        MomentMatching(fallback=Unscented())
+        >>> all(torch.equal(a, b) for a, b in zip(mm.map_moments(*args), Unscented().map_moments(*args)))
+        True
+    """
+
+    def __init__(self, fallback: Projection | None = None):
+        self.fallback = Unscented() if fallback is None else fallback
+
+    def for_factor(self, factor: str) -> MomentMatching:
+        fallback = self.fallback.for_factor(factor)
+        return self if fallback is self.fallback else MomentMatching(fallback)
+
+    def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn):
+            return fn.predict_moments(mean, cov)
+        return self.fallback.map_moments(fn, mean, cov, t)
+
+    def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn):
+            return fn.predict_moments(mean, cov)
+        return self.fallback.map_moments_batch(fn, mean, cov, ts)
+
+    def __repr__(self) -> str:
+        return f"MomentMatching(fallback={self.fallback!r})"
+
+
+def _with_noise(mu: Tensor, S: Tensor, C: Tensor, noise_cov: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    # The moments of fn(x) + noise: S gains the noise covariance and is symmetrised.
+    if noise_cov is not None:
+        S = S + noise_cov
+    return mu, (S + S.transpose(-1, -2)) / 2, C
+
+
+def as_projection(projection: Projection | str) -> Projection:
+    """The :class:`Projection` for ``projection``, an object or one of :data:`PROJECTIONS`.
+
+    Example:
+        >>> as_projection("moment_matching")
+        MomentMatching(fallback=Unscented())
+    """
+    if isinstance(projection, Projection):
+        return projection
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be a Projection or one of {PROJECTIONS}, got {projection!r}")
+    return _default(projection, Unscented())
+
+
+def _default(name: str, ut: Unscented) -> Projection:
+    # The object a name stands for; ``ut`` is the sigma-point setting of the unscented ones.
+    return {"linearization": Linearization(), "unscented": ut, "moment_matching": MomentMatching(ut)}[name]
+
+
+def project(
+    fn: Callable | object,
+    mean: Tensor,
+    cov: Tensor,
+    t: int,
+    kind: Projection | str,
+    noise_cov: Tensor | None = None,
+    takes_time: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Moments of ``fn(x) + noise`` for ``x ~ N(mean, cov)``: the functional form of
+    :meth:`Projection.moments`, kept for existing callers.
+
+    Args:
+        fn: a callable ``f(x)`` (``f(x, t)`` when ``takes_time``) or a ``MultiOutputGP``.
+        mean: ``(d,)``.
+        cov: ``(d, d)``.
+        t: time index passed to ``fn`` when ``takes_time``.
+        kind: a :class:`Projection` or one of :data:`PROJECTIONS`.
+        noise_cov: additive noise covariance ``(e, e)`` (or ``None``).
+        takes_time: whether a callable ``fn`` takes ``t`` as its second argument.
+
+    Returns:
+        ``(mu_a (e,), S_a (e, e), C (d, e))``.
+    """
+    if isinstance(kind, Projection):
+        strategy = kind
+    elif kind in PROJECTIONS:
+        strategy = _default(kind, Unscented())
+    else:
+        raise ValueError(f"projection must be one of {PROJECTIONS}, got {kind!r}")
+    if not is_gp(fn) and not takes_time:
+        fn = (lambda f: lambda x, t: f(x))(fn)
+    return strategy.moments(fn, mean, cov, t, noise_cov)

@@ -1,0 +1,173 @@
+r"""The sequential EP schedule: forward-backward sweeps of single-message updates.
+
+See ``docs/math/ep.md#the-iteration``. Each update removes one message from its marginal (the
+cavity ``q / q_i^alpha``), refits the factor at the cavity (:class:`~pyro_smc.infer.gaussian.factors.Factors`)
+and puts back the message the fitted linear model implies, damped. The first sweep runs with
+``alpha = 1`` and no damping and is the matching Gaussian smoother.
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.infer.gaussian.factors import Factors
+    >>> from pyro_smc.infer.gaussian.observed import observation_status
+    >>> from pyro_smc.infer.gaussian.projections import Unscented
+    >>> from pyro_smc.infer.gaussian.schedule import EPProblem, EPSettings
+    >>> from pyro_smc.models import LinearGaussianSSM
+    >>> eye = torch.eye(1, dtype=torch.float64)
+    >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1, dtype=torch.float64), eye)
+    >>> _, ys = ssm.simulate(4, generator=torch.Generator().manual_seed(0))
+    >>> schedule = SequentialSchedule(Factors(ssm, Unscented()), EPSettings(5, 1.0, 1.0, 1e-8))
+    >>> run = schedule.iterate(EPProblem(ys, ~ys.isnan(), observation_status(ys)))
+    >>> run.converged, torch.allclose(run.means, ssm.rts_smoother(ys).means)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pyro_smc.infer.gaussian.factors import Factors, backward_message, ep_log_evidence_increments, forward_message
+from pyro_smc.infer.gaussian.observed import ObservationStatus
+from pyro_smc.infer.gaussian.result import EPIteration, GaussianSmootherResult
+from pyro_smc.infer.gaussian.schedule import EPProblem, EPRun, EPSettings, FixedPointMap, WarmStart
+from pyro_smc.infer.gaussian.sites import Sites, failure_hint, improper_error, in_sweep, non_finite_error, site_name
+from pyro_smc.ops.gaussian import NotPositiveDefiniteError, is_proper, to_natural
+
+__all__ = ["SequentialSchedule"]
+
+
+class SequentialSchedule:
+    """Forward-backward sweeps of single-message EP updates (:class:`~pyro_smc.EPSmoother`'s
+    ``schedule="sequential"``); its state ``theta`` is the site messages (``Sites.pack``).
+
+    Args:
+        factors: the model's factors and their projections.
+        settings: ``max_iter``, ``damping``, ``power``, ``tol``.
+
+    Example:
+        See the module docstring.
+    """
+
+    name = "sequential"
+
+    def __init__(self, factors: Factors, settings: EPSettings):
+        self.factors = factors
+        self.settings = settings
+
+    def _prior(self):
+        ssm = self.factors.ssm
+        return to_natural(ssm.init_mean, ssm.init_cov)
+
+    def iterate(self, problem: EPProblem, start: WarmStart | None = None) -> EPRun:
+        """EP sweeps from the first one (or ``start``) until ``tol`` or ``max_iter``."""
+        sites, run = self.sweeps(problem, start)
+        measurements, transitions = run.fits
+        ssm = self.factors.ssm
+        increments = ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, measurements, transitions, problem.ys)
+        return run._replace(increments=increments)
+
+    def sweeps(self, problem: EPProblem, start: WarmStart | None = None, sweeps: int | None = None) -> tuple[Sites, EPRun]:
+        """The sweeps until ``tol`` or ``sweeps`` (default ``max_iter``): the sites and the run
+        (its ``increments`` not computed yet: an empty tensor)."""
+        T, d = problem.ys.shape[0], self.factors.ssm.state_dim
+        prior = self._prior()
+        sites = Sites(prior, T, d) if start is None else Sites.unpack(prior, start.theta, T, d, problem.status)
+        history: list[EPIteration] = []
+        first_sweep, previous, converged = None, None if start is None else start[1:], False
+        fits: tuple[list, list] = ([None] * T, [None] * T)  # the last sweep's measurement and transition models
+        for sweep in range(self.settings.max_iter if sweeps is None else sweeps):
+            first = sweep == 0 and start is None
+            alpha = 1.0 if first else self.settings.power
+            gamma = 1.0 if first else self.settings.damping
+            skipped = self.sweep(sites, problem, alpha, gamma, fits, sweep=len(history))
+            try:
+                means, covs = sites.moments()
+            except NotPositiveDefiniteError as error:
+                raise improper_error(sites, len(history), skipped) from error
+            change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
+            if not bool(torch.isfinite(means).all() & torch.isfinite(covs).all()):  # or the sweeps would go on to max_iter
+                raise non_finite_error(sites, len(history))
+            history.append(EPIteration(change, skipped))
+            if first:
+                first_sweep = GaussianSmootherResult(means, covs)
+            previous = (means, covs)
+            if change < self.settings.tol:
+                converged = True
+                break
+        run = EPRun(sites.pack(), means, covs, means.new_zeros(0), history, first_sweep, converged, self.settings.damping, fits)
+        return sites, run
+
+    def fixed_point(self, problem: EPProblem, run: EPRun) -> FixedPointMap:
+        """One sweep with ``power`` and ``damping`` as the map ``theta -> F(theta)``; the outputs
+        at ``z`` are its marginals and the evidence of the factors one more sweep refits there."""
+        ssm = self.factors.ssm
+        T, d = problem.ys.shape[0], ssm.state_dim
+        prior = self._prior()
+        measurements, transitions = run.fits
+        skipped: list[int] = []
+
+        def step(theta: Tensor, fitted: tuple | None = None) -> Tensor:
+            at = Sites.unpack(prior, theta, T, d, problem.status)
+            fitted = (list(measurements), list(transitions)) if fitted is None else fitted
+            skipped.append(self.sweep(at, problem, self.settings.power, self.settings.damping, fitted))
+            return at.pack()
+
+        def outputs(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            fitted = (list(measurements), list(transitions))
+            step(z, fitted)
+            at = Sites.unpack(prior, z, T, d, problem.status)
+            return (*at.moments(), ep_log_evidence_increments(ssm.init_mean, ssm.init_cov, *fitted, problem.ys))
+
+        return FixedPointMap(step, outputs, skipped)
+
+    def sweep(self, sites: Sites, problem: EPProblem, alpha: float, gamma: float, fits: tuple[list, list], sweep: int | None = None) -> int:
+        """One forward-backward pass of site updates; returns the number of updates skipped
+        because a cavity or the updated marginal was not a proper Gaussian.
+
+        Writes each measurement and transition model fitted in this sweep into
+        ``fits = (measurements, transitions)`` at its step (an entry not refitted keeps the
+        previous sweep's). ``sweep`` (its 0-based index) only names it in an error.
+        """
+        factors, (ys, observed, status) = self.factors, problem
+        measurements, transitions_kept = fits
+        skipped = 0
+        T = ys.shape[0]
+        # The backward update at t uses the same cavity q(t) / q_bwd(t)^alpha as the forward
+        # update at t + 1 (neither q_fwd(t), q_meas(t) nor q_bwd(t) changes in between), so
+        # each transition is projected once per sweep.
+        transitions: list = [None] * T
+        site = ("fwd", 0)  # the update under way, for the error message
+        try:
+            for t in range(T):
+                if t > 0:
+                    site = ("fwd", t)
+                    cavity = sites.marginal(t - 1, "bwd", alpha)
+                    if bool(is_proper(cavity[1])):
+                        transitions[t - 1] = factors.transition(cavity, t - 1)
+                        skipped += not sites.accept("fwd", t, forward_message(transitions[t - 1], alpha), gamma)
+                    else:
+                        skipped += 1
+                if status[t] != ObservationStatus.MISSING:
+                    site = ("meas", t)
+                    cavity = sites.marginal(t, "meas", alpha)
+                    if bool(is_proper(cavity[1])):
+                        partly = status[t] == ObservationStatus.PARTLY_OBSERVED
+                        update, measurements[t] = factors.measurement(cavity, ys[t], observed[t] if partly else None, t)
+                        skipped += not sites.accept("meas", t, update, gamma)
+                    else:
+                        skipped += 1
+            transitions_kept[:] = [new or kept for new, kept in zip(transitions, transitions_kept)]
+            for t in range(T - 2, -1, -1):
+                site = ("bwd", t)
+                if transitions[t] is None:  # its cavity was improper in the forward sweep
+                    skipped += 1
+                    continue
+                message = backward_message(transitions[t], sites.marginal(t + 1, "fwd", alpha), alpha)
+                skipped += not sites.accept("bwd", t, message, gamma)
+        except (NotPositiveDefiniteError, torch.linalg.LinAlgError) as error:
+            kind, t = site
+            raise ValueError(
+                f"EPSmoother: {in_sweep(sweep)}, the update of the {site_name(kind, t)} failed "
+                f"({str(error).splitlines()[0]}); {failure_hint(sweep)}"
+            ) from error
+        return skipped

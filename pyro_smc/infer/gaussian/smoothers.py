@@ -1,0 +1,366 @@
+r"""Assumed-density Gaussian filters and Rauch-Tung-Striebel smoothers for nonlinear models.
+
+See ``docs/math/ep.md#gaussian-filter`` and ``docs/math/ep.md#rts-smoother``.
+
+One filter and one smoother, parameterised by the projection (a
+:class:`~pyro_smc.infer.gaussian.projections.Projection`, or its name): with :class:`Linearization` they
+are the extended Kalman filter and smoother (EKF/EKS; GP-EKF/GP-EKS for GP components), with
+:class:`Unscented` the unscented ones (UKF/URTSS), with :class:`MomentMatching` the GP-ADF and
+GP-RTSS of Deisenroth et al. The model is any
+:class:`~pyro_smc.models.protocol.GaussianStateSpaceModel` (``NonlinearGaussianSSM``,
+``LinearGaussianSSM``, ...); on a linear one they are the Kalman filter and RTS smoother. Each
+step reads like its equations:
+
+* predict: ``(M, S, C) = proj[f](m_t, P_t) + Q``;
+* update: ``K = C_y S_y^{-1}``, ``m <- m + K (y - mu_y)``, ``P <- P - K S_y K^T``;
+* smooth: ``G = C S^{-1}``, ``m^s_t = m_t + G (m^s_{t+1} - M)``,
+  ``P^s_t = P_t + G (P^s_{t+1} - S) G^T``.
+
+These are written in moment form independently of :class:`pyro_smc.EPSmoother` (natural-form
+messages), whose first sweep must reproduce them: that agreement is a test. All of them
+return :class:`GaussianSmootherResult` with ``log_evidence`` (the prediction-error decomposition).
+With :class:`~pyro_smc.gp.MultiOutputGP` components each pass computes each GP posterior once
+(:func:`~pyro_smc.gp.pinned_posteriors`), and ``log_evidence`` is differentiable in the GP
+hyperparameters (and in ``X``, ``Y`` when they are parameters): GP-ADF/GP-RTSS evidence
+maximisation.
+Missing data follow the rule of :mod:`pyro_smc.models.protocol`: a step whose observation is
+all NaN (or ``None`` in a list) is predicted only; a partly NaN one is conditioned on its
+observed entries. No result is ever non-finite: a mean, covariance or evidence term that is not
+finite, or a covariance whose factorisation fails, is a ``ValueError`` naming the first time step
+where it happened (checked once per run on the stacked result).
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.models import NonlinearGaussianSSM
+    >>> from pyro_smc.infer import unscented_rts_smoother
+    >>> one = torch.ones(1, 1, dtype=torch.float64)
+    >>> ssm = NonlinearGaussianSSM(lambda x: 0.9 * x, one, lambda x: x, one, torch.zeros(1, dtype=torch.float64), one)
+    >>> _, ys = ssm.simulate(10, generator=torch.Generator().manual_seed(0))
+    >>> out = unscented_rts_smoother(ssm, ys)
+    >>> out.means.shape, out.covariances.shape
+    (torch.Size([10, 1]), torch.Size([10, 1, 1]))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from pyro_smc.gp import pinned_posteriors
+from pyro_smc.infer.gaussian.observed import ObservationStatus, observation_status, observed_moments
+from pyro_smc.infer.gaussian.projections import Projection, Unscented, as_projection
+from pyro_smc.infer.gaussian.result import GaussianSmootherResult
+from pyro_smc.models.protocol import GaussianStateSpaceModel
+from pyro_smc.observations import check_observations
+from pyro_smc.ops.gaussian import check_finite_steps, symmetrize
+
+__all__ = [
+    "extended_kalman_filter",
+    "extended_rts_smoother",
+    "gaussian_filter",
+    "gaussian_smoother",
+    "gp_adf",
+    "gp_rtss",
+    "unscented_kalman_filter",
+    "unscented_rts_smoother",
+]
+
+
+def _log_normal(y: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
+    chol = torch.linalg.cholesky(cov)
+    z = torch.linalg.solve_triangular(chol, (y - mean).unsqueeze(-1), upper=False).squeeze(-1)
+    return -0.5 * (z * z).sum(-1) - torch.diagonal(chol, dim1=-2, dim2=-1).log().sum(-1) - 0.5 * y.shape[-1] * math.log(2 * math.pi)
+
+
+class _FilterPass(NamedTuple):
+    # The filter's marginals, each step's predicted moments (M, S, C) for the smoother, and the evidence.
+    means: Tensor
+    covariances: Tensor
+    predictions: list
+    log_evidence: Tensor
+    increments: Tensor
+
+
+def _filter(ssm: GaussianStateSpaceModel, observations, projection: Projection) -> _FilterPass:
+    # Each GP component's posterior is computed once for the pass (with its autograd graph when
+    # the hyperparameters require grad, so that log_evidence is differentiable in them), not
+    # once per projection.
+    with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
+        return _filter_pinned(ssm, observations, projection)
+
+
+DIVERGED = (
+    "the model diverged or a map returned non-finite values there: check the transition and observation maps at "
+    "those states (an unstable model, a wrong map or time index), the scales of the covariances, or run in float64"
+)
+
+
+def _failed(where: str, t: int, moments: dict[str, list], error: Exception) -> ValueError:
+    """The error for a factorisation that failed at step ``t``: non-finite moments at the first
+    step that has them (the likely cause), else a covariance that is not positive definite."""
+    try:
+        check_finite_steps(where, {name: torch.stack(values) for name, values in moments.items() if values}, DIVERGED)
+    except ValueError as located:
+        return located
+    return ValueError(
+        f"{where}: at time step {t} a covariance is not positive definite (the predicted or the innovation covariance; "
+        f"{type(error).__name__}: {str(error).splitlines()[0]}); {DIVERGED}, or give the noise covariances more room "
+        "relative to the state's scale"
+    )
+
+
+def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Projection) -> _FilterPass:
+    transition, observation = projection.for_factor("transition"), projection.for_factor("observation")
+    ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
+    status = observation_status(ys)
+    where = f"Gaussian filter ({projection!r})"
+    m, P = ssm.init_mean, ssm.init_cov
+    means, covs, predictions, increments = [], [], [], []
+    log_lik = ys.new_zeros(())
+    for t in range(ys.shape[0]):
+        try:
+            if t > 0:
+                M, S, C = transition.moments(ssm.transition_fn, m, P, t - 1, ssm.transition_cov)
+                predictions.append((M, S, C))
+                m, P = M, S
+            increment = log_lik.new_zeros(())
+            if status[t] != ObservationStatus.MISSING:
+                y, (mu, S_y, C_y) = ys[t], observation.moments(ssm.observation_fn, m, P, t, ssm.observation_cov)
+                if status[t] == ObservationStatus.PARTLY_OBSERVED:
+                    y, mu, S_y, C_y = observed_moments(y, observed[t], mu, S_y, C_y)
+                gain_t = torch.linalg.solve(S_y, C_y.transpose(-1, -2))  # K^T = S_y^{-1} C_y^T
+                m = m + (y - mu) @ gain_t
+                P = symmetrize(P - C_y @ gain_t)
+                increment = _log_normal(y, mu, S_y)
+                log_lik = log_lik + increment
+        except torch.linalg.LinAlgError as error:
+            raise _failed(where, t, {"filtering mean": means + [m], "filtering covariance": covs + [P]}, error) from error
+        means.append(m)
+        covs.append(P)
+        increments.append(increment)
+    increments = torch.stack(increments)
+    means, covs = torch.stack(means), torch.stack(covs)
+    # One check per run: a NaN that never reaches a factorisation (an unobserved coordinate)
+    # would otherwise pass silently, beside a finite evidence.
+    check_finite_steps(where, {"filtering mean": means, "filtering covariance": covs, "log-evidence increment": increments}, DIVERGED)
+    return _FilterPass(means, covs, predictions, log_lik, increments)
+
+
+
+def gaussian_filter(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> GaussianSmootherResult:
+    """Assumed-density Gaussian filter ``q(x_t | y_{0:t})``; the one filter behind
+    :func:`extended_kalman_filter`, :func:`unscented_kalman_filter` and :func:`gp_adf`.
+
+    Args:
+        ssm: a :class:`~pyro_smc.models.protocol.GaussianStateSpaceModel` (state dim ``d``).
+        observations: ``(T, e)``, NaN for missing entries (or a list of ``(e,)`` tensors and
+            ``None``).
+        projection: a :class:`~pyro_smc.infer.gaussian.projections.Projection`, or
+            ``"linearization"``, ``"unscented"`` or ``"moment_matching"`` for the default one.
+
+    Returns:
+        :class:`~pyro_smc.infer.gaussian.result.GaussianSmootherResult`: the filtering marginals
+        ``means (T, d)`` and ``covariances (T, d, d)``, ``log_evidence`` ``()`` (the
+        prediction-error decomposition) and ``log_evidence_increments`` ``(T,)``.
+
+    Raises:
+        ValueError: an unknown projection name; observations of the wrong shape, with no time
+            step, or of a dtype or device other than the model's; a mean, covariance or evidence
+            term that is not finite, or a covariance that is not positive definite (naming the
+            time step: the model diverged or a map returned non-finite values there).
+
+    Example:
+        On a linear-Gaussian model the filter is the Kalman filter, and its ``log_evidence``
+        is exact:
+
+        >>> import torch
+        >>> from pyro_smc.infer import gaussian_filter
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = gaussian_filter(ssm, ys)
+        >>> out.means.shape, out.log_evidence_increments.shape        # (T, d), (T,)
+        (torch.Size([5, 1]), torch.Size([5]))
+        >>> torch.allclose(out.log_evidence, ssm.log_evidence(ys), atol=1e-4)
+        True
+    """
+    run = _filter(ssm, observations, as_projection(projection))
+    return GaussianSmootherResult(run.means, run.covariances, log_evidence=run.log_evidence, log_evidence_increments=run.increments)
+
+
+def gaussian_smoother(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> GaussianSmootherResult:
+    """Assumed-density Gaussian RTS smoother ``q(x_t | y_{0:T-1})``; the one smoother behind
+    :func:`extended_rts_smoother`, :func:`unscented_rts_smoother` and :func:`gp_rtss`.
+
+    Args and errors are those of :func:`gaussian_filter`, whose pass it smooths backwards.
+
+    Returns:
+        :class:`~pyro_smc.infer.gaussian.result.GaussianSmootherResult`: the smoothed marginals
+        ``means (T, d)`` and ``covariances (T, d, d)``, and the filter's ``log_evidence`` ``()``
+        and ``log_evidence_increments`` ``(T,)``.
+
+    Raises:
+        ValueError: as :func:`gaussian_filter`, or a singular predicted covariance (naming the
+            time step of the undefined smoother gain).
+
+    Example:
+        On a linear-Gaussian model the smoother is the RTS smoother:
+
+        >>> import torch
+        >>> from pyro_smc.infer import gaussian_smoother
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = gaussian_smoother(ssm, ys, projection="linearization")
+        >>> out.covariances.shape                                     # (T, d, d)
+        torch.Size([5, 1, 1])
+        >>> torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
+        True
+    """
+    projection = as_projection(projection)
+    means, covs, predictions, log_lik, increments = _filter(ssm, observations, projection)
+    where = f"Gaussian smoother ({projection!r})"
+    ms, Ps = [means[-1]], [covs[-1]]
+    for t in range(len(means) - 2, -1, -1):
+        M, S, C = predictions[t]
+        try:
+            gain = torch.linalg.solve(S, C.transpose(-1, -2)).transpose(-1, -2)  # G = C S^{-1}
+        except torch.linalg.LinAlgError as error:
+            raise ValueError(f"{where}: the predicted covariance of time step {t + 1} is singular, so the smoother gain at time step {t} is undefined; {DIVERGED}") from error
+        ms.append(means[t] + (ms[-1] - M) @ gain.transpose(-1, -2))
+        Ps.append(symmetrize(covs[t] + gain @ (Ps[-1] - S) @ gain.transpose(-1, -2)))
+    ms, Ps = torch.stack(ms[::-1]), torch.stack(Ps[::-1])
+    check_finite_steps(where, {"smoothed mean": ms, "smoothed covariance": Ps}, DIVERGED)
+    return GaussianSmootherResult(ms, Ps, log_evidence=log_lik, log_evidence_increments=increments)
+
+
+# The variants fix the projection; their arguments, results and errors are those of
+# gaussian_filter / gaussian_smoother, documented there once.
+def extended_kalman_filter(ssm: GaussianStateSpaceModel, observations: Tensor) -> GaussianSmootherResult:
+    """EKF (GP-EKF for GP components): :func:`gaussian_filter` with ``projection="linearization"``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.infer import extended_kalman_filter
+        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = NonlinearGaussianSSM(torch.sin, eye, lambda x: x, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = extended_kalman_filter(ssm, ys)
+        >>> out.means.shape, out.covariances.shape                    # (T, d), (T, d, d)
+        (torch.Size([5, 1]), torch.Size([5, 1, 1]))
+        >>> torch.allclose(out.log_evidence, out.log_evidence_increments.sum())
+        True
+    """
+    return gaussian_filter(ssm, observations, "linearization")
+
+
+def extended_rts_smoother(ssm: GaussianStateSpaceModel, observations: Tensor) -> GaussianSmootherResult:
+    """EKS / ERTSS (GP-EKS for GP components): :func:`gaussian_smoother` with
+    ``projection="linearization"``.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.infer import extended_rts_smoother
+        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = NonlinearGaussianSSM(torch.sin, eye, lambda x: x, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = extended_rts_smoother(ssm, ys)
+        >>> out.means.shape, out.covariances.shape                    # (T, d), (T, d, d)
+        (torch.Size([5, 1]), torch.Size([5, 1, 1]))
+        >>> bool((out.covariances > 0).all())
+        True
+    """
+    return gaussian_smoother(ssm, observations, "linearization")
+
+
+def unscented_kalman_filter(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Unscented | None = None) -> GaussianSmootherResult:
+    """UKF: :func:`gaussian_filter` with ``projection`` an
+    :class:`~pyro_smc.infer.gaussian.projections.Unscented` (default ``Unscented()``; its
+    sigma-point settings, per factor if need be, go there).
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.infer import Unscented, unscented_kalman_filter
+        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = NonlinearGaussianSSM(torch.sin, eye, lambda x: x, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = unscented_kalman_filter(ssm, ys, Unscented(kappa=2.0))
+        >>> out.means.shape, out.log_evidence.shape                   # (T, d), ()
+        (torch.Size([5, 1]), torch.Size([]))
+    """
+    return gaussian_filter(ssm, observations, Unscented() if projection is None else projection)
+
+
+def unscented_rts_smoother(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Unscented | None = None) -> GaussianSmootherResult:
+    """URTSS: :func:`gaussian_smoother` with ``projection`` an
+    :class:`~pyro_smc.infer.gaussian.projections.Unscented` (default ``Unscented()``).
+
+    Example:
+        The unscented transform is exact for linear maps, so on a linear-Gaussian model this is
+        the RTS smoother:
+
+        >>> import torch
+        >>> from pyro_smc.infer import unscented_rts_smoother
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = unscented_rts_smoother(ssm, ys)
+        >>> torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
+        True
+    """
+    return gaussian_smoother(ssm, observations, Unscented() if projection is None else projection)
+
+
+def gp_adf(ssm: GaussianStateSpaceModel, observations: Tensor) -> GaussianSmootherResult:
+    """GP-ADF (Deisenroth et al. 2009): :func:`gaussian_filter` with
+    ``projection="moment_matching"``, exact for ``MultiOutputGP`` components (a plain callable
+    falls back to the unscented transform).
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.infer import gp_adf, unscented_kalman_filter
+        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = NonlinearGaussianSSM(torch.sin, eye, lambda x: x, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = gp_adf(ssm, ys)                                     # callables: the UKF
+        >>> out.means.shape, torch.equal(out.means, unscented_kalman_filter(ssm, ys).means)
+        (torch.Size([5, 1]), True)
+    """
+    return gaussian_filter(ssm, observations, "moment_matching")
+
+
+def gp_rtss(ssm: GaussianStateSpaceModel, observations: Tensor) -> GaussianSmootherResult:
+    """GP-RTSS (Deisenroth et al. 2012): :func:`gaussian_smoother` with
+    ``projection="moment_matching"``, exact for ``MultiOutputGP`` components (a plain callable
+    falls back to the unscented transform).
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.infer import gp_rtss, unscented_rts_smoother
+        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> _ = torch.manual_seed(0)
+        >>> eye = torch.eye(1)
+        >>> ssm = NonlinearGaussianSSM(torch.sin, eye, lambda x: x, eye, torch.zeros(1), eye)
+        >>> _, ys = ssm.simulate(5)                                   # (T, e)
+        >>> out = gp_rtss(ssm, ys)                                    # callables: the URTSS
+        >>> out.covariances.shape, torch.equal(out.means, unscented_rts_smoother(ssm, ys).means)
+        (torch.Size([5, 1, 1]), True)
+    """
+    return gaussian_smoother(ssm, observations, "moment_matching")

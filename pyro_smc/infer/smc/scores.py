@@ -1,0 +1,119 @@
+"""The score-function (stop-gradient) terms of :class:`~pyro_smc.SMC` that need the step's state.
+
+With an index resampler built with ``gradient="stop_gradient"`` the engine detaches its proposal
+draws and adds each draw's ``log q - stop_grad(log q)`` to the particle's log-weight (zero in value,
+the score in autograd); with ``gradient="marginal_stop_gradient"`` it adds the score of the marginal
+(mixture) transition density instead. The per-site terms themselves are
+:func:`~pyro_smc.infer.smc.importance.score_terms` and
+:func:`~pyro_smc.infer.smc.importance.pairwise_transition_log_density`; this module holds the
+marginal score (which reads the previous weights and may re-run the step) and the weighing of a
+step that scored nothing but scores.
+See ``docs/math/smc.md#stop-gradient-resampling`` and ``docs/math/smc.md#marginal-stop-gradient``.
+
+**Stop-gradient (Fisher-identity) mode.** With an index resampler built with
+``gradient="stop_gradient"`` (``SMC`` reads the resampler's
+:class:`~pyro_smc.resamplers.GradientEstimator`; see :attr:`SMC.score_function <pyro_smc.SMC.score_function>`) the forward pass is unchanged bit for bit, but every proposal draw
+is detached (no pathwise gradient) and each particle's log-weight gains
+``log q(x) - stop_grad(log q(x))`` for each proposal site (guide sites; model latent sites the
+guide does not sample, for which ``q = f``), zero in value. Autodiff of ``log_evidence`` then
+returns ``G = sum_i w_T^i d log p(x^i_{1:T}, y_{1:T})`` over the particles' ancestral paths
+(Scibior and Wood, 2021), which reaches parameters acting only through discrete draws (a
+switching probability). What is unbiased: ``E[Z_hat G] = dZ/dtheta`` exactly, so
+``E[(Z_hat / Z) G] = d log Z / d theta`` (the exact score); ``E[G]`` itself is biased for the
+score (a ratio of estimates; the bias is ``O(1/N)``). Proposal parameters get zero gradient in
+this mode, and ``NonReparameterizedGradientWarning`` is not raised.
+See ``docs/math/smc.md#stop-gradient-resampling``.
+
+**Marginal stop-gradient mode.** With ``gradient="marginal_stop_gradient"`` (same resampler
+output) each step after the first replaces the single-ancestor score by that of the marginal
+transition density: the log-weight becomes ``stop_grad(log w_{t-1}^i) + log omega_t^i + m_i -
+stop_grad(m_i)``, ``m_i = log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)`` over all particle pairs of a
+filter (one vectorised ``log_prob`` per latent site; ``O(B N^2)`` time and memory per step). The
+forward pass is again unchanged, ``E[Z_hat G] = dZ/dtheta`` still holds exactly, and the variance
+of ``G`` grows far more slowly with ``T`` (Poyiadjis, Doucet and Singh, 2011). Bootstrap filters
+only, ``max_plate_nesting == 0``, and every latent site must depend on the previous state only;
+otherwise ``ValueError``. See ``docs/math/smc.md#marginal-stop-gradient``.
+
+Example:
+    >>> import torch
+    >>> from pyro_smc.infer.smc.state import ParticleWeights
+    >>> w = ParticleWeights.uniform(1, 3, torch.zeros(()))
+    >>> out = add_scores(w, torch.zeros(1, 3))                 # zero in value
+    >>> torch.equal(out.log_weights, w.log_weights), out.log_evidence.tolist()
+    (True, [0.0])
+"""
+
+from __future__ import annotations
+
+import pyro.poutine as poutine
+import torch
+from torch import Tensor
+
+from pyro_smc.infer.model_state import plain_attributes, restore_attributes
+from pyro_smc.infer.smc.importance import ParticleLayout, pairwise_transition_log_density
+from pyro_smc.infer.smc.state import ParticleWeights
+from pyro_smc.ops.resample import log_mixture_density
+from pyro_smc.tracing import is_latent
+
+__all__ = ["add_scores", "marginal_scores"]
+
+
+def marginal_scores(program, proposal, log_weights: Tensor, before, state, model, inputs, layout: ParticleLayout) -> Tensor | None:
+    """``m_i - stop_grad(m_i)`` ``(B, N)`` for the step just traced, with
+    ``m_i = log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)`` and ``log_weights`` the previous ones (the
+    caller then detaches them: their gradient enters through ``m_i`` only). ``None`` when the step
+    drew nothing.
+
+    ``before`` is the state and the model's plain attributes before the step: a step with several
+    latent sites is run once more, from there, with every draw rolled by one particle, to check that
+    no site's distribution depends on another site of the step.
+    """
+    model_trace = proposal.model_trace
+    latent = [name for name, site in model_trace.nodes.items() if is_latent(site)]
+    if not latent:
+        return None
+    if len(latent) > 1:
+        _check_sites_independent(program, proposal, latent, before, state, model, inputs, layout)
+    log_f = pairwise_transition_log_density(model_trace, layout)
+    m = log_mixture_density(log_weights, log_f)
+    return torch.where(torch.isfinite(m), m - m.detach(), torch.zeros_like(m))
+
+
+def _check_sites_independent(program, proposal, latent, before, state, model, inputs, layout: ParticleLayout) -> None:
+    model_trace = proposal.model_trace
+    after = (dict(state), plain_attributes(model))
+    dim = len(layout.particle_shape) - 1
+    rolled = {name: model_trace.nodes[name]["value"].roll(1, dims=dim) for name in latent}
+    try:
+        dict.clear(state)
+        dict.update(state, before[0])
+        restore_attributes(model, before[1])
+        with program.handlers():
+            check = poutine.trace(poutine.condition(proposal.model_fn, data=rolled)).get_trace(state, *inputs.args, **inputs.kwargs)
+    finally:
+        dict.clear(state)
+        dict.update(state, after[0])
+        restore_attributes(model, after[1])
+    for name in latent:
+        value = model_trace.nodes[name]["value"]
+        if not torch.equal(check.nodes[name]["fn"].log_prob(value), model_trace.nodes[name]["fn"].log_prob(value)):
+            raise ValueError(
+                f"marginal stop-gradient at {inputs.where}: the distribution of site '{name}' depends on another "
+                "latent site of the same step; the marginal estimator needs every latent site to depend on "
+                "the previous state only (use gradient='stop_gradient')"
+            )
+
+
+def add_scores(weights: ParticleWeights, score: Tensor) -> ParticleWeights:
+    """The weights after a step that scored nothing but its score terms ``score`` ``(B, N)``
+    (zero in value).
+
+    The weights take ``score - delta`` and the log-evidence ``delta``, with
+    ``delta = lse - stop_grad(lse)`` and ``lse = logsumexp(log w + score)``: all zero in value, so
+    the forward numbers stay bit-identical, while in autograd the weights stay normalised and
+    ``log_evidence + log w`` keeps the scores of each particle's path.
+    """
+    joint = weights.log_weights + score
+    lse = torch.logsumexp(joint, dim=-1)
+    delta = torch.where(torch.isfinite(lse), lse - lse.detach(), torch.zeros_like(lse))
+    return weights.gain(joint - delta.unsqueeze(-1), delta)

@@ -1,0 +1,223 @@
+r"""Sinkhorn for ``gradient="implicit"``: the potentials at the fixed point, differentiated by the
+implicit function theorem.
+
+See ``docs/math/smc.md#implicit-differentiation``.
+
+The forward solve (:func:`pyro_smc.ops.sinkhorn_solver.forward_solve`) runs without autograd;
+the backward pass solves the adjoint of the fixed-point equations (:func:`implicit_adjoint`), a
+symmetric positive semi-definite system, by conjugate gradients with a dense Cholesky fallback.
+No iteration is stored. :func:`implicit_adjoint` is also the core of the fused backward pass of
+:func:`pyro_smc.ops.ensemble.ensemble_transform`; it is documented on
+:mod:`pyro_smc.ops.sinkhorn`, which re-exports it.
+
+Example:
+    >>> import math, torch
+    >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
+    >>> from pyro_smc.ops.sinkhorn_implicit import implicit_solve
+    >>> cost = torch.rand(2, 5, 5, dtype=torch.float64, requires_grad=True)
+    >>> log_w = torch.full((2, 5), -math.log(5), dtype=torch.float64)
+    >>> result = implicit_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=1000))
+    >>> result.f.requires_grad, result.converged.requires_grad, result.converged.tolist()
+    (True, False, [True, True])
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from pyro_smc.ops.sinkhorn_kernel import colsum, flushing, rowsum
+from pyro_smc.ops.sinkhorn_solver import forward_solve
+from pyro_smc.ops.sinkhorn_types import SinkhornConvergenceWarning, SinkhornResult, SinkhornSettings
+
+# implicit_adjoint is documented on (and re-exported by) pyro_smc.ops.sinkhorn; implicit_solve is
+# reached through pyro_smc.ops.sinkhorn.solve.
+__all__: list[str] = []
+
+# Above this many target points the adjoint system is solved by conjugate gradients
+# instead of a dense factorisation (O(M^2) per iteration instead of O(M^3) once).
+_DENSE_SOLVE_MAX = 512
+# Conjugate-gradient steps tried before a small adjoint system is handed to the dense solve.
+_CG_STEPS_BEFORE_DENSE = 25
+# Relative residual of the adjoint solve above which its gradient is reported as unreliable.
+_ADJOINT_RESIDUAL_WARN = 1e-2
+
+
+def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> Tensor:
+    """Solves ``(I - K^T K + s s^T) x = rhs`` for every problem of the batch.
+
+    ``I - K^T K`` is positive semi-definite with null vector ``s = sqrt(b)`` (the gauge
+    ``f + c, g - c`` of the potentials); adding ``s s^T`` makes it definite without changing the
+    solution on the consistent right-hand sides the backward pass produces.
+
+    Conjugate gradients come first: the system's condition number is ``1 / (1 - sigma_2^2)``
+    with ``sigma_2`` the second singular value of ``K``, the same quantity that sets the
+    contraction of the Sinkhorn iterations, so problems that converged in a few iterations
+    need only a few CG steps (each two batched mat-vecs). Problems still unconverged after
+    ``_CG_STEPS_BEFORE_DENSE`` steps (small epsilon) are finished by a dense Cholesky solve when
+    they are small enough, by more CG steps otherwise.
+    """
+    s = sqrt_b / sqrt_b.norm(dim=-1, keepdim=True)
+    m = kernel.shape[-1]
+    tiny = torch.finfo(rhs.dtype).tiny
+    # Below a few ulps the residual is rounding noise; asking for less would never stop.
+    tol = max(tol, 30 * torch.finfo(rhs.dtype).eps)
+
+    def matvec(v: Tensor) -> Tensor:
+        return v - colsum(kernel, rowsum(kernel, v)) + s * (s * v).sum(-1, keepdim=True)
+
+    x = torch.zeros_like(rhs)
+    r = rhs.clone()
+    p = r.clone()
+    rs = (r * r).sum(-1, keepdim=True)
+    stop = tol**2 * rs.clamp_min(tiny)
+    max_steps = _CG_STEPS_BEFORE_DENSE if m <= _DENSE_SOLVE_MAX else 10 * m
+    converged = rs <= stop
+    for _ in range(max_steps):
+        if bool(converged.all()):
+            break
+        ap = matvec(p)
+        alpha = rs / (p * ap).sum(-1, keepdim=True).clamp_min(tiny)
+        alpha = torch.where(converged, torch.zeros_like(alpha), alpha)
+        x = x + alpha * p
+        r = r - alpha * ap
+        rs_new = (r * r).sum(-1, keepdim=True)
+        converged = converged | (rs_new <= stop)
+        p = r + (rs_new / rs.clamp_min(tiny)) * p
+        rs = rs_new
+    left = ~converged.squeeze(-1)
+    if m <= _DENSE_SOLVE_MAX and bool(left.any()):
+        k, sl = kernel[left], s[left]
+        eye = torch.eye(m, dtype=kernel.dtype, device=kernel.device)
+        mat = eye - k.transpose(-1, -2) @ k + sl.unsqueeze(-1) * sl.unsqueeze(-2)
+        # The matrix is symmetric positive definite: Cholesky is about twice as fast as LU.
+        chol, info = torch.linalg.cholesky_ex(mat)
+        if bool((info == 0).all()):
+            sol = torch.cholesky_solve(rhs[left].unsqueeze(-1), chol).squeeze(-1)
+        else:
+            sol = torch.linalg.solve(mat, rhs[left].unsqueeze(-1)).squeeze(-1)
+        x = x.index_put((left.nonzero().squeeze(-1),), sol)
+    # The system is only as well posed as the forward solve was accurate: far from the fixed
+    # point K's top singular value leaves 1 and the matrix can lose definiteness. Check the
+    # answer rather than trust it (one more pair of mat-vecs).
+    residual = (matvec(x) - rhs).norm(dim=-1) / rhs.norm(dim=-1).clamp_min(tiny)
+    worst = float(residual.max()) if residual.numel() else 0.0
+    if not worst < _ADJOINT_RESIDUAL_WARN:
+        warnings.warn(
+            f"sinkhorn: the implicit-gradient (adjoint) solve left a relative residual of {worst:.3g}; the forward "
+            "solve is probably not converged (raise max_iter, lower threshold or raise epsilon), so its gradient is unreliable",
+            SinkhornConvergenceWarning,
+            stacklevel=2,
+        )
+    return x
+
+
+def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Tensor, grad_g: Tensor, tol: float) -> tuple[Tensor, Tensor]:
+    """Adjoint variables of the Sinkhorn fixed point (the core of every implicit backward pass).
+
+    With ``K_ij = P_ij / sqrt(a_i b_j)`` the adjoint system of the fixed-point equations reads
+    ``[[I, K], [K^T, I]] [alpha; beta] = [grad_f / sqrt(a); grad_g / sqrt(b)]``; it stays finite
+    (``K`` is zero there) for points of zero weight and its spectrum lies in ``[0, 2]``. The
+    gradients of the loss with respect to the cost and the log-weights follow from ``alpha``
+    and ``beta``:
+    ``dC = K * (alpha_i sqrt(b_j) + sqrt(a_i) beta_j)``, ``d log a = -eps sqrt(a) K beta``,
+    ``d log b = -eps sqrt(b) K^T alpha``.
+
+    Args:
+        kernel: ``K``, shape ``(..., N, M)``.
+        sqrt_a, sqrt_b: square roots of the marginals, ``(..., N)`` and ``(..., M)``.
+        grad_f, grad_g: incoming gradients with respect to the potentials, ``(..., N)`` and
+            ``(..., M)``.
+        tol: relative residual tolerance of the linear solve.
+
+    Returns:
+        ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)``. A relative residual above
+        ``1e-2`` is warned about (``SinkhornConvergenceWarning``).
+
+    Example:
+        >>> import math
+        >>> from pyro_smc.ops.sinkhorn import implicit_adjoint, sinkhorn, squared_distances, transport_plan
+        >>> x = torch.tensor([[0.0], [1.0], [2.0]])
+        >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
+        >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
+        >>> f, g = sinkhorn(cost, log_a, log_b, epsilon=0.1, threshold=1e-5, max_iter=500)
+        >>> sqrt_a, sqrt_b = (log_a / 2).exp(), (log_b / 2).exp()
+        >>> K = transport_plan(cost, log_a, log_b, f, g, 0.1) / (sqrt_a[:, None] * sqrt_b)
+        >>> grad_g = torch.tensor([1.0, -2.0, 1.0])  # sums to 0: the system is consistent
+        >>> alpha, beta = implicit_adjoint(K, sqrt_a, sqrt_b, torch.zeros(3), grad_g, 1e-6)
+        >>> bool(torch.allclose(K @ beta, -alpha, atol=1e-4) and torch.allclose(K.T @ alpha + beta, grad_g / sqrt_b, atol=1e-4))
+        True
+    """
+    r_f = grad_f / sqrt_a
+    r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
+    beta = _adjoint_solve(kernel, sqrt_b, r_g - colsum(kernel, r_f), tol)
+    return r_f - rowsum(kernel, beta), beta
+
+
+class _ImplicitSinkhorn(torch.autograd.Function):
+    """Potentials at the fixed point, differentiated by the implicit function theorem; the
+    solve's diagnostics are returned as non-differentiable outputs."""
+
+    @staticmethod
+    @flushing
+    def forward(ctx, cost, log_a, log_b, settings):
+        with torch.no_grad():
+            result = forward_solve(cost, log_a, log_b, settings)
+        f, g = result.f, result.g
+        ctx.save_for_backward(cost, log_a, log_b, f, g)
+        ctx.epsilon = settings.epsilon
+        ctx.tol = min(1e-2, settings.threshold)
+        ctx.mark_non_differentiable(result.converged, result.num_iterations, result.marginal_error)
+        return f, g, result.converged, result.num_iterations, result.marginal_error
+
+    @staticmethod
+    @flushing
+    def backward(ctx, grad_f, grad_g, *_diagnostics):
+        cost, log_a, log_b, f, g = ctx.saved_tensors
+        eps = ctx.epsilon
+        log_a = log_a.expand(f.shape)
+        log_b = log_b.expand(g.shape)
+        grad_f = torch.zeros_like(f) if grad_f is None else grad_f
+        grad_g = torch.zeros_like(g) if grad_g is None else grad_g
+        # In the variables alpha' = sqrt(a) alpha, beta' = sqrt(b) beta the adjoint system is
+        # symmetric positive semi-definite (see implicit_adjoint).
+        half_a, half_b = log_a / 2, log_b / 2
+        kernel = torch.exp(half_a.unsqueeze(-1) + half_b.unsqueeze(-2) + (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / eps)
+        sqrt_a, sqrt_b = half_a.exp(), half_b.exp()
+        alpha, beta = implicit_adjoint(kernel, sqrt_a, sqrt_b, grad_f, grad_g, ctx.tol * 1e-4)
+        grad_cost = kernel * (alpha.unsqueeze(-1) * sqrt_b.unsqueeze(-2) + sqrt_a.unsqueeze(-1) * beta.unsqueeze(-2))
+        grad_log_a = -eps * sqrt_a * rowsum(kernel, beta)
+        grad_log_b = -eps * sqrt_b * colsum(kernel, alpha)
+        return grad_cost, _unbroadcast(grad_log_a, ctx, 1), _unbroadcast(grad_log_b, ctx, 2), None
+
+
+def _unbroadcast(grad: Tensor, ctx, index: int) -> Tensor | None:
+    """Sums ``grad`` down to the shape of saved input ``index`` (``None`` if not needed)."""
+    if not ctx.needs_input_grad[index]:
+        return None
+    shape = ctx.saved_tensors[index].shape
+    while grad.dim() > len(shape):
+        grad = grad.sum(0)
+    for dim, size in enumerate(shape):
+        if size == 1 and grad.shape[dim] != 1:
+            grad = grad.sum(dim, keepdim=True)
+    return grad
+
+
+def implicit_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings) -> SinkhornResult:
+    """The :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` of one solve whose potentials carry the
+    exact implicit gradient; the diagnostics are detached. Arguments as for
+    :func:`pyro_smc.ops.sinkhorn.solve` (which validates them).
+
+    Example:
+        >>> import math, torch
+        >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
+        >>> cost = torch.rand(3, 4, 4, requires_grad=True)
+        >>> log_w = torch.full((3, 4), -math.log(4))
+        >>> result = implicit_solve(cost, log_w, log_w, SinkhornSettings(0.5))
+        >>> torch.autograd.grad(result.g.sum(), cost)[0].shape
+        torch.Size([3, 4, 4])
+    """
+    return SinkhornResult(*_ImplicitSinkhorn.apply(cost, log_a, log_b, settings))
