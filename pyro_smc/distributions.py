@@ -9,7 +9,8 @@ standard normal entries; row covariance ``U = L_row L_row^T``, column covariance
 Huang et al. write the K-Linear layer as ``W = M + A E B'`` with
 ``vec(W) ~ N(vec(M), (B'^T B') kron (A A^T))``: that is ``L_row = A`` and ``L_col = B'^T``. The
 Kronecker-flow guides store the lower-triangular ``B = B'^T`` and write ``W = M + A E B^T``, so
-for them ``L_col = B``. The Kronecker algebra lives in :mod:`pyro_smc.ops.kronecker`.
+for them ``L_col = B``. The Kronecker algebra lives in :mod:`pyro_smc.ops.kronecker` and
+:mod:`pyro_smc.ops.kronecker_tril`.
 See ``docs/math/kronecker.md#matrix-normal-distribution``.
 
 Closed-form KL divergences are registered with ``torch.distributions.kl.register_kl`` for
@@ -41,8 +42,8 @@ from torch import Tensor
 from torch.distributions import Independent, Normal, constraints
 from torch.distributions.kl import register_kl
 
-from pyro_smc.ops.kronecker import (
-    kron_matvec,
+from pyro_smc.ops.kronecker import kron_matvec
+from pyro_smc.ops.kronecker_tril import (
     kron_tril_entropy,
     kron_tril_logdet,
     kron_tril_mahalanobis,

@@ -17,6 +17,7 @@ Modules:
     unscented: sigma points and the unscented transform.
     gp_moments: SE-ARD GP predictions, Jacobians and exact moments at Gaussian inputs.
     kronecker: Kronecker products, solves and log-dets without forming the product.
+    kronecker_tril: Gaussian terms (log-det, Mahalanobis, trace, variance, entropy) of V kron U from Cholesky factors.
     laplace: Laplace approximation by clipped Newton steps; Gaussian regression kernels.
     jacobian: per-sample gradients of a batch of values.
 """

@@ -11,11 +11,6 @@ from pyro_smc.ops.kronecker import (
     kron_logdet,
     kron_matvec,
     kron_solve,
-    kron_tril_entropy,
-    kron_tril_logdet,
-    kron_tril_mahalanobis,
-    kron_tril_trace,
-    kron_tril_variance,
     unvec,
     vec,
 )
@@ -84,23 +79,6 @@ def test_triangular_solves_read_only_their_triangle(n, p):
     assert _close(kron_logdet(lo, up, triangular=True), kron_logdet(lo, up))
     with pytest.raises(ValueError, match="tri_a"):
         kron_solve(lo, up, y, tri_a="diag")
-
-
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("n,p", SHAPES)
-def test_tril_covariance_helpers_match_dense(n, p, batch):
-    g = torch.Generator().manual_seed(n + 7 * p)
-    lr, lc, lr2, lc2 = _tril(batch, n, g), _tril(batch, p, g), _tril(batch, n, g), _tril(batch, p, g)
-    x = torch.randn(*batch, n, p, generator=g)
-    cov = kron(lc @ lc.mT, lr @ lr.mT)  # Cov(vec W) = V kron U
-    cov2 = kron(lc2 @ lc2.mT, lr2 @ lr2.mT)
-    assert _close(2 * kron_tril_logdet(lr, lc), torch.linalg.slogdet(cov).logabsdet)
-    v = vec(x).unsqueeze(-1)
-    assert _close(kron_tril_mahalanobis(lr, lc, x), (v.mT @ torch.linalg.solve(cov, v)).reshape(batch))
-    assert _close(kron_tril_trace(lr, lc, lr2, lc2), torch.linalg.solve(cov, cov2).diagonal(dim1=-2, dim2=-1).sum(-1))
-    assert _close(vec(kron_tril_variance(lr, lc)), cov.diagonal(dim1=-2, dim2=-1))
-    mvn = torch.distributions.MultivariateNormal(torch.zeros(n * p), covariance_matrix=cov)
-    assert _close(kron_tril_entropy(lr, lc), mvn.entropy())
 
 
 def test_float32_and_gradients():
@@ -203,13 +181,6 @@ def test_kron_solve_rejects_a_singular_triangular_factor(n, p, seed):
         (lambda: unvec(torch.tensor(1.0), 1, 1), "unvec: v"),  # 0-d: IndexError
         (lambda: kron(torch.zeros(3), torch.eye(2)), "kron: a must"),  # "not enough values to unpack"
         (lambda: kron(torch.zeros(2, 2, 2), torch.zeros(3, 2, 2)), "broadcast"),  # RuntimeError
-        (lambda: kron_tril_variance(torch.zeros(2, 3), torch.eye(2)), "scale_tril_row"),  # returned zeros
-        (lambda: kron_tril_variance(torch.eye(2), torch.ones(3)), "scale_tril_col"),  # returned garbage
-        (lambda: kron_tril_trace(torch.zeros(2, 3), torch.eye(2), torch.eye(2), torch.eye(2)), "scale_tril_row_p"),
-        (lambda: kron_tril_trace(torch.eye(3), torch.eye(2), torch.eye(2), torch.eye(2)), "scale_tril_row_q"),
-        (lambda: kron_tril_trace(torch.eye(2), torch.eye(2), torch.eye(2), torch.eye(3)), "scale_tril_col_q"),
-        (lambda: kron_tril_trace(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), torch.eye(2), torch.eye(2), torch.eye(2)), "singular"),  # NaN
-        (lambda: kron_tril_entropy(torch.eye(2), torch.zeros(2, 3)), "scale_tril_col"),  # named it "b"
         (lambda: kron_solve(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), torch.eye(2), torch.ones(2, 2)), "singular"),  # LinAlgError
         (lambda: kron_logdet(torch.eye(2, dtype=torch.long), torch.eye(2, dtype=torch.long)), "floating"),
         (lambda: kron_solve(torch.eye(2).expand(3, 2, 2), torch.eye(2).expand(4, 2, 2), torch.ones(2, 2)), "broadcast"),
@@ -225,7 +196,7 @@ def test_kronecker_ops_reject_malformed_input_naming_it(call, name):
         call()
 
 
-@pytest.mark.parametrize("op", ["matvec", "solve", "solve_tri", "logdet", "mahalanobis", "trace", "variance"])
+@pytest.mark.parametrize("op", ["matvec", "solve", "solve_tri", "logdet"])
 def test_mixed_float_dtypes_are_promoted(op):
     # Before: kron_solve raised "linalg.solve: Expected A and B to have the same dtype" and
     # kron_matvec "expected m1 and m2 to have the same dtype", while the triangular ops promoted.
@@ -236,9 +207,6 @@ def test_mixed_float_dtypes_are_promoted(op):
         "solve": lambda a, b, x: kron_solve(a, b, x),
         "solve_tri": lambda a, b, x: kron_solve(a, b, x, tri_a="lower", tri_b="lower"),
         "logdet": lambda a, b, x: kron_logdet(a, b),
-        "mahalanobis": lambda a, b, x: kron_tril_mahalanobis(a, b, x),
-        "trace": lambda a, b, x: kron_tril_trace(a, b, a.double(), b.double()),
-        "variance": lambda a, b, x: kron_tril_variance(a, b),
     }
     exact = calls[op](a, b, x)
     for mixed in ((a.float(), b, x), (a, b.float(), x), (a, b, x.float())):

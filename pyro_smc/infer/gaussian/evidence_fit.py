@@ -116,20 +116,13 @@ def fit_evidence(
         raise ValueError(f"num_steps must be >= 0, got {num_steps!r}")
     if on_nonconvergence not in ("raise", "unroll"):
         raise ValueError(f"on_nonconvergence must be 'raise' or 'unroll', got {on_nonconvergence!r}")
-    sequences = [observations] if isinstance(observations, Tensor) else list(observations)
-    if not sequences:
-        raise ValueError("fit_evidence: observations is an empty list; give one sequence (T, e) or a list of them")
+    sequences = _as_sequences(observations)
     length = sum(len(y) for y in sequences)
     if optimizer is None:
-        params = list(smoother.ssm.parameters() if params is None else params)
-        if not params:
-            raise ValueError("fit_evidence: the model has no parameters; make the learnable parts PyroParams or nn.Parameters")
-        optimizer = torch.optim.Adam(params, lr=lr)
+        optimizer = torch.optim.Adam(_parameters_to_fit(smoother, params), lr=lr)
     fitted = [p for group in optimizer.param_groups for p in group["params"]]
     names = _parameter_names(smoother, fitted)
-    # Only a fixed point is differentiated implicitly; one sweep (max_iter=1) or unrolled sweeps
-    # have an exact gradient whether or not EP has converged.
-    needs_fixed_point = getattr(smoother, "gradient", "implicit") == "implicit" and getattr(smoother, "max_iter", 2) > 1
+    needs_fixed_point = _needs_fixed_point(smoother)
     losses: list[float] = []
     unrolled = 0
     previous: list = [None] * len(sequences)
@@ -139,22 +132,10 @@ def fit_evidence(
         warnings.simplefilter("ignore", EPConvergenceWarning)
         for step in range(int(num_steps)):
             optimizer.zero_grad()
-            results = [_smooth(smoother, y, p, step, i) for i, (y, p) in enumerate(zip(sequences, previous))]
-            stuck = [i for i, r in enumerate(results) if needs_fixed_point and not r.converged]
-            if stuck and on_nonconvergence == "raise":
-                raise RuntimeError(
-                    f"fit_evidence: at step {step}, EP did not converge on sequence {stuck[0]} (last change "
-                    f"{results[stuck[0]].history[-1].change:.3g} > tol); raise max_iter, damp the smoother (damping < 1, "
-                    'power < 1), or pass on_nonconvergence="unroll"'
-                )
-            if stuck:
-                unrolled += 1
-                fallback = copy.copy(smoother)
-                fallback.gradient = "unroll"
-                for i in stuck:
-                    results[i] = _smooth(fallback, sequences[i], None, step, i)
+            results, fell_back = _smooth_sequences(smoother, sequences, previous, step, needs_fixed_point, on_nonconvergence)
+            unrolled += fell_back
             if warm_start:
-                previous = [r if r.converged and getattr(r, "ep_state", None) is not None else None for r in results]
+                previous = _warm_starts(results)
             loss = -sum(r.log_evidence for r in results) / length
             loss.backward()
             _check_gradients(fitted, names, step)
@@ -168,6 +149,59 @@ def fit_evidence(
             RuntimeWarning, stacklevel=2,
         )
     return losses
+
+
+def _as_sequences(observations) -> list:
+    """One sequence ``(T, e)`` or a list of them, as a non-empty list."""
+    sequences = [observations] if isinstance(observations, Tensor) else list(observations)
+    if not sequences:
+        raise ValueError("fit_evidence: observations is an empty list; give one sequence (T, e) or a list of them")
+    return sequences
+
+
+def _parameters_to_fit(smoother, params) -> list:
+    """``params``, or by default the model's parameters; an error if there are none that says how
+    to make the model learnable (Adam's own error on an empty list would not)."""
+    params = list(smoother.ssm.parameters() if params is None else params)
+    if not params:
+        raise ValueError("fit_evidence: the model has no parameters; make the learnable parts PyroParams or nn.Parameters")
+    return params
+
+
+def _needs_fixed_point(smoother) -> bool:
+    """Whether the smoother's gradient is only valid at a converged EP run."""
+    # Only a fixed point is differentiated implicitly; one sweep (max_iter=1) or unrolled sweeps
+    # have an exact gradient whether or not EP has converged.
+    return getattr(smoother, "gradient", "implicit") == "implicit" and getattr(smoother, "max_iter", 2) > 1
+
+
+def _smooth_sequences(smoother, sequences: list, previous: list, step: int, needs_fixed_point: bool, on_nonconvergence: str) -> tuple[list, bool]:
+    """One smoother run per sequence (from ``previous``, its warm start or ``None``), with the
+    ``on_nonconvergence`` policy applied to the runs that stopped at ``max_iter``.
+
+    Returns the results and whether some sequence was rerun with the unrolled gradient.
+    """
+    results = [_smooth(smoother, y, p, step, i) for i, (y, p) in enumerate(zip(sequences, previous))]
+    stuck = [i for i, r in enumerate(results) if needs_fixed_point and not r.converged]
+    if stuck and on_nonconvergence == "raise":
+        raise RuntimeError(
+            f"fit_evidence: at step {step}, EP did not converge on sequence {stuck[0]} (last change "
+            f"{results[stuck[0]].history[-1].change:.3g} > tol); raise max_iter, damp the smoother (damping < 1, "
+            'power < 1), or pass on_nonconvergence="unroll"'
+        )
+    if stuck:
+        # A run that did not converge has no implicit gradient: rerun it from scratch with unrolled sweeps.
+        fallback = copy.copy(smoother)
+        fallback.gradient = "unroll"
+        for i in stuck:
+            results[i] = _smooth(fallback, sequences[i], None, step, i)
+    return results, bool(stuck)
+
+
+def _warm_starts(results: list) -> list:
+    """Where the next step's run on each sequence starts: a converged result that carries its EP
+    state, else ``None`` (the first sweep)."""
+    return [r if r.converged and getattr(r, "ep_state", None) is not None else None for r in results]
 
 
 def _smooth(smoother, observations, init, step: int, index: int):

@@ -37,9 +37,11 @@ from pyro_smc.regression import QuadraticRegressor, Regressor
 
 __all__ = [
     "EXTRAPOLATION_LIMIT",
+    "INITIALIZE",
     "OnlineFilterWarning",
     "check_marginal",
     "check_model_and_guide",
+    "check_settings",
     "check_targets",
     "extrapolation",
     "mahalanobis_squared",
@@ -53,6 +55,9 @@ __all__ = [
 #: 25 is a shift of 5 standard deviations: exact kernels (the smoothing distribution, inside the
 #: filtering one) exceed it only after an observation that is a 5-sd surprise about ``x_{t-1}``.
 EXTRAPOLATION_LIMIT = 25.0
+
+#: The filter's ``initialize`` settings: how each step's optimisation starts (``pyro_smc.infer.online.start``).
+INITIALIZE = ("laplace", "predict", "previous")
 
 
 class OnlineFilterWarning(UserWarning):
@@ -107,6 +112,33 @@ def check_model_and_guide(model: Any, guide: Any) -> None:
         raise ValueError(f"guide must be a StreamingFilterGuide, got {type(guide).__name__}")
     if getattr(guide, "num_steps", None) is not None or guide.num_kernels != 1:
         raise ValueError("guide must be in online mode (StreamingFilterGuide(state_dim) without num_steps)")
+
+
+def check_settings(model: Any, guide: Any, state_key: Any, initialize: Any) -> None:
+    """The filter's arguments that are not numbers: ``model`` and ``guide``
+    (:func:`check_model_and_guide`), ``state_key`` (``None`` or a str) and ``initialize`` (one of
+    ``INITIALIZE``).
+
+    Raises:
+        ValueError: naming the argument.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.guides import StreamingFilterGuide
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> eye = torch.eye(2)
+        >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2), eye)
+        >>> check_settings(ssm, StreamingFilterGuide(2), state_key=None, initialize="predict")
+        >>> check_settings(ssm, StreamingFilterGuide(2), state_key=None, initialize="newton")
+        Traceback (most recent call last):
+            ...
+        ValueError: initialize must be one of ('laplace', 'predict', 'previous'), got 'newton'
+    """
+    check_model_and_guide(model, guide)
+    if state_key is not None and not isinstance(state_key, str):
+        raise ValueError(f"state_key must be None or the name (a str) of the state entry holding the latent, got {state_key!r}")
+    if initialize not in INITIALIZE:
+        raise ValueError(f"initialize must be one of {INITIALIZE}, got {initialize!r}")
 
 
 def warn_if_few_regression_samples(regressor: Regressor, state_dim: int, num_samples: int) -> None:
@@ -254,5 +286,5 @@ def warn_extrapolated(t: int, distance: float, d: int, initialize: str) -> None:
             f"log_evidence (the running ELBO) is unreliable from this step on, and can even exceed log p(y). Use {remedy}. "
             "Later such steps are listed in unreliable_steps, not warned"
         ),
-        stacklevel=5,  # warn_extrapolated < _check_extrapolation < _assimilate < step < the caller
+        stacklevel=5,  # warn_extrapolated < record_extrapolation < assimilate < step < the caller
     )

@@ -21,7 +21,8 @@ At ``t = 0`` the increment is ``log mu(x_0) + log g(y_0 | x_0) - log q_0(x_0)``.
 The parts, one module each: the step's fixed inputs and model runs
 (:mod:`~pyro_smc.infer.online.context`), where the optimisation starts
 (:mod:`~pyro_smc.infer.online.start`), the objective and its optimiser
-(:mod:`~pyro_smc.infer.online.objective`), the regressors (:mod:`~pyro_smc.regression`),
+(:mod:`~pyro_smc.infer.online.objective`), the step's estimate once fitted
+(:mod:`~pyro_smc.infer.online.assimilation`), the regressors (:mod:`~pyro_smc.regression`),
 online parameter learning (:mod:`~pyro_smc.infer.online.learning`), what is checked so that no
 wrong number is reported silently (:mod:`~pyro_smc.infer.online.checks`), checkpoints
 (``pyro_smc.infer.online.checkpoint``) and the result
@@ -69,20 +70,11 @@ from tqdm.auto import tqdm
 from pyro_smc.checks import int_at_least, positive_float, positive_int
 from pyro_smc.guides.streaming.family import StreamingFamily, marginal_covariance
 from pyro_smc.infer.online import checkpoint
-from pyro_smc.infer.online.checks import (
-    EXTRAPOLATION_LIMIT,
-    OnlineFilterWarning,
-    check_marginal,
-    check_model_and_guide,
-    check_targets,
-    extrapolation,
-    standard_error,
-    warn_extrapolated,
-    warn_if_few_regression_samples,
-)
+from pyro_smc.infer.online.assimilation import assimilate
+from pyro_smc.infer.online.checks import EXTRAPOLATION_LIMIT, INITIALIZE, OnlineFilterWarning, check_marginal, check_settings, warn_if_few_regression_samples
 from pyro_smc.infer.online.context import StepContext, observation_missing
 from pyro_smc.infer.online.learning import ParameterLearner, model_parameter_names, robbins_monro, step_sizes
-from pyro_smc.infer.online.objective import StepOptimiser, draw, increment
+from pyro_smc.infer.online.objective import StepOptimiser
 from pyro_smc.infer.online.result import OnlineFilterResult
 from pyro_smc.infer.online.start import initialise
 from pyro_smc.observations import check_observations
@@ -90,8 +82,6 @@ from pyro_smc.regression import Regressor, make_regressor
 from pyro_smc.tracing import module_context
 
 __all__ = ["EXTRAPOLATION_LIMIT", "INITIALIZE", "OnlineFilterWarning", "OnlineVariationalFilter", "robbins_monro"]
-
-INITIALIZE = ("laplace", "predict", "previous")
 
 
 class OnlineVariationalFilter:
@@ -109,7 +99,7 @@ class OnlineVariationalFilter:
             tenfold over each step's iterations): an iteration moves the marginal's and the
             kernel's means by about ``lr`` of their standard deviations in any direction and
             their scales by a factor of about ``e^lr`` (``StepFrame`` in
-            ``pyro_smc.guides.streaming.family``), whatever the units and the orientation of the
+            ``pyro_smc.guides.streaming.frame``), whatever the units and the orientation of the
             state.
         initial_lr: the rate at the first step (default ``10 * lr``).
         regressor: ``"quadratic"`` (exact for linear-Gaussian models), ``"kernel"``, ``"mlp"``
@@ -179,11 +169,7 @@ class OnlineVariationalFilter:
         state_key: str | None = None,
         progress_bar: bool = False,
     ):
-        check_model_and_guide(model, guide)
-        if state_key is not None and not isinstance(state_key, str):
-            raise ValueError(f"state_key must be None or the name (a str) of the state entry holding the latent, got {state_key!r}")
-        if initialize not in INITIALIZE:
-            raise ValueError(f"initialize must be one of {INITIALIZE}, got {initialize!r}")
+        check_settings(model, guide, state_key, initialize)
         lr = positive_float("lr", lr)
         self.model = model
         self.guide = guide
@@ -259,7 +245,7 @@ class OnlineVariationalFilter:
             check_marginal(self.guide, where)
         self._optimiser.fit(context, self._value)
         check_marginal(self.guide, where)
-        self._assimilate(context)
+        assimilate(self, context)
         marginal, kernel = self.guide.freeze()
         if self.t > 0:
             self._kernels.append(kernel)
@@ -379,43 +365,3 @@ class OnlineVariationalFilter:
         configuration and settings; with ``restore_rng`` the stream continues bit-identically
         (continue it with :meth:`step`: :meth:`run` starts a new stream)."""
         checkpoint.load_state_dict(self, state, restore_rng)
-
-    # --- one step's regression ---------------------------------------------------------------
-    def _assimilate(self, context: StepContext) -> None:
-        """The step's Monte Carlo estimate on fresh draws: ``log_evidence``, the value regression
-        ``U_t`` and, with ``learn_parameters``, the parameter update; carries the state batch on."""
-        with torch.no_grad():
-            pairs = draw(self.guide, context, self.num_regression_samples, reparameterise=False)
-        learn = self.learn_parameters and bool(self._learner.theta)
-        with torch.set_grad_enabled(learn):
-            delta, state = increment(context, pairs)
-        past = 0.0 if pairs.x_prev is None else self._value(pairs.x_prev).reshape(-1)
-        increments = delta.detach()
-        targets = past + increments
-        check_targets(targets, f"step {self.t}")
-        if pairs.x_prev is not None:
-            self._check_extrapolation(pairs.x_prev)
-        self.last_increments = increments
-        estimate = targets.mean()
-        self.log_evidence_increment = estimate - self.log_evidence
-        self.log_evidence = estimate
-        se = standard_error(targets)
-        # The first step's error is its own (the zero init() left has the default device, not the model's).
-        self.log_evidence_standard_error = se if self.t == 0 else torch.hypot(self.log_evidence_standard_error, se)
-        self._value = self._value_regressor.fit(pairs.x_t, targets)
-        if learn:
-            self._learner.update(delta, pairs.x_t, pairs.x_prev, self.t)
-            bad = [name for name, leaf in self._learner.theta.items() if not bool(torch.isfinite(leaf).all())]
-            if bad:
-                raise ValueError(f"at step {self.t}: the online update made parameter {bad[0]!r} not finite; use a smaller parameter_lr")
-        self._state = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in state.items()}
-
-    def _check_extrapolation(self, x_prev: Tensor) -> None:
-        """Records (and warns at the first) a step whose kernel puts ``x_{t-1}`` outside the draws
-        of ``q_{t-1}`` that ``U_{t-1}`` was fitted on (:class:`OnlineFilterWarning`)."""
-        distance = extrapolation(self._previous, x_prev)
-        if distance is None:
-            return
-        self.unreliable_steps.append(self.t)
-        if len(self.unreliable_steps) == 1:
-            warn_extrapolated(self.t, distance, x_prev.shape[-1], self.initialize)

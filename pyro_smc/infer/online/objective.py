@@ -38,7 +38,8 @@ import torch
 from pyro.distributions import TorchDistribution
 from torch import Tensor
 
-from pyro_smc.guides.streaming.family import StepFrame, StreamingFamily
+from pyro_smc.guides.streaming.family import StreamingFamily
+from pyro_smc.guides.streaming.frame import StepFrame
 from pyro_smc.infer.online.context import StepContext
 from pyro_smc.regression import Regressor
 
@@ -90,7 +91,7 @@ class StepOptimiser:
     """Fits ``phi_t`` by Adam on the reparameterised estimate of ``E[U_{t-1}(x_{t-1}) + delta]``.
 
     Adam moves the whitened coordinates of the step's start
-    (:class:`~pyro_smc.guides.streaming.family.StepFrame`), not the family's parameters: an
+    (:class:`~pyro_smc.guides.streaming.frame.StepFrame`), not the family's parameters: an
     iteration moves the marginal's and the kernel's means by about ``lr`` of their standard
     deviations in every direction, and their scales by a factor of about ``e^lr``, whatever the
     units and the orientation of the state. (Adam on the parameters themselves moves each by

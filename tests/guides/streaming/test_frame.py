@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pyro_smc.guides import StreamingFamily
-from pyro_smc.guides.streaming.family import StepFrame
+from pyro_smc.guides.streaming.frame import StepFrame
 
 
 def _family(covariance, backward, c=1.0):

@@ -1,0 +1,159 @@
+"""One step of :class:`~pyro_smc.SMC`, strung together from its phases (:mod:`~pyro_smc.infer.smc.step`).
+
+See ``docs/math/smc.md#one-step-of-the-filter``. :func:`advance` reads the particles and weights
+the step starts from and returns what the step made as a :class:`StepOutcome`; the engine keeps
+that and nothing else, so no step hands data to the next through attributes::
+
+    proposal = program.propose(...)            # run the Pyro program (or its replay)
+    terms, score = log-weight and score terms  # log omega, and the gradient estimator's terms
+    weights = weigh(...)                       # log w_t, log p_hat(y_t | y_{1:t-1})
+    means, ess = summarise(...)                # the step's record
+    weights, resampling = maybe_resample(...)  # the filters whose ESS < ess_threshold * N
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from pyro_smc.infer.model_state import plain_attributes
+from pyro_smc.infer.smc import smoothing
+from pyro_smc.infer.smc.checks import ESTIMATOR_OPTION, check_marginal_supported
+from pyro_smc.infer.smc.importance import ParticleLayout, log_weight_terms, score_terms
+from pyro_smc.infer.smc.result import StepRecord
+from pyro_smc.infer.smc.scores import marginal_scores
+from pyro_smc.infer.smc.state import ParticleWeights, SMCState
+from pyro_smc.infer.smc.step import StepInputs, StepProgram, maybe_resample, summarise, weigh
+from pyro_smc.infer.smc.trace_checks import TraceChecks
+from pyro_smc.resamplers import GradientEstimator, estimator_of
+
+__all__ = ["StepOutcome", "StepSettings", "advance"]
+
+
+class StepSettings(NamedTuple):
+    """The engine's settings a step reads.
+
+    Attributes:
+        layout: the particle dims.
+        resampler: the resampler (its :class:`~pyro_smc.resamplers.GradientEstimator` picks the
+            gradient estimator).
+        ess_threshold: resample a filter when its ESS falls below ``ess_threshold * N``.
+        store_history: keep what :meth:`~pyro_smc.SMC.smooth` needs.
+    """
+
+    layout: ParticleLayout
+    resampler: Callable
+    ess_threshold: float
+    store_history: bool
+
+    @property
+    def estimator(self) -> GradientEstimator:
+        return estimator_of(self.resampler)
+
+
+class StepOutcome(NamedTuple):
+    """What one step made.
+
+    Attributes:
+        weights: the new weights; ``None`` while there is nothing to weigh (no weights, no state).
+        ess: ``(B,)`` the ESS after the reweighting (``None`` with ``weights``).
+        weighted: the particles and log-weights after the reweighting, before any resampling.
+        record: the step's :class:`~pyro_smc.infer.smc.result.StepRecord` (``None`` at ``init``,
+            whose evidence term joins step 0's increment).
+        history: the step's smoothing record (``store_history`` only).
+    """
+
+    weights: ParticleWeights | None
+    ess: Tensor | None = None
+    weighted: tuple[dict[str, Tensor], Tensor] | None = None
+    record: StepRecord | None = None
+    history: dict | None = None
+
+
+def advance(
+    settings: StepSettings,
+    program: StepProgram,
+    checks: TraceChecks,
+    state: SMCState,
+    weights: ParticleWeights | None,
+    model_fn: Callable,
+    guide_fn: Callable | None,
+    inputs: StepInputs,
+) -> StepOutcome:
+    """Takes one step (``inputs.t is None``: ``init``): the model writes the new particles into
+    ``state``; everything else the step made is returned.
+
+    Raises:
+        ValueError: the checks of :class:`~pyro_smc.infer.smc.trace_checks.TraceChecks`, naming the step.
+        SMCFailedError: every particle of a filter has zero weight.
+    """
+    layout = settings.layout
+    estimator = settings.estimator
+    score_function = estimator in (GradientEstimator.SCORE, GradientEstimator.MARGINAL_SCORE)
+    # The marginal estimator needs the previous weights; init (and a step before any weights)
+    # scores its draws along the path, which is the same thing for a parentless draw.
+    marginal = estimator is GradientEstimator.MARGINAL_SCORE and torch.is_grad_enabled() and weights is not None
+    if estimator is GradientEstimator.MARGINAL_SCORE:
+        check_marginal_supported(program.guide, layout.max_plate_nesting)
+    before = (dict(state), plain_attributes(program.model)) if marginal else None
+    # The unbatched state: step_record adds the filter dim itself.
+    parent = (dict(state), weights.log_weights) if settings.store_history and weights is not None else None
+
+    proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function)
+    checks.check(proposal, state, inputs, ESTIMATOR_OPTION[estimator.value] if score_function else None)
+    terms = log_weight_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.predict_only, inputs.partial, inputs.active)
+    history = smoothing.step_record(proposal.model_trace, state, parent, layout) if settings.store_history and inputs.t is not None else None
+    score = None
+    if marginal:
+        score = marginal_scores(program, proposal, weights.log_weights, before, state, program.model, inputs, layout)
+        if score is not None:
+            # The previous weights' gradient now enters through the marginal score only.
+            weights = weights._replace(log_weights=weights.log_weights.detach())
+    elif score_function and torch.is_grad_enabled():
+        score = score_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.active)
+    checks.check_state(state, inputs.where)
+    return finish(settings, checks.discrete_keys, state, weigh(weights, terms, score, layout, inputs, _any_tensor(state)), inputs, history)
+
+
+def finish(
+    settings: StepSettings,
+    discrete_keys: set[str],
+    state: SMCState,
+    weights: ParticleWeights | None,
+    inputs: StepInputs,
+    history: dict | None,
+) -> StepOutcome:
+    """The phases after the reweighting: summarise, maybe resample, and the step's record."""
+    if weights is None:
+        return StepOutcome(None)
+    layout = settings.layout
+    means, ess = summarise(state, weights, layout, inputs)
+    # References, not copies: resampling replaces the state tensors instead of mutating them.
+    weighted = (dict(state), weights.log_weights)
+    if history is not None:
+        smoothing.record_weighted(history, state, weights.log_weights, layout)
+    need = ess < settings.ess_threshold * layout.num_particles
+    weights, resampling = maybe_resample(state, weights, need, settings.resampler, discrete_keys, layout, inputs.where)
+    if history is not None and resampling is not None:
+        smoothing.record_resampling(history, need, resampling.ancestors, layout)
+    if inputs.t is None:
+        # An init's log-evidence term stays unreported and joins step 0's increment.
+        return StepOutcome(weights, ess, weighted)
+    weights, increment = weights.reported()
+    record = StepRecord(
+        log_evidence_increment=increment,
+        filtering_means=means,
+        ess=ess,
+        resampled=need if state else torch.zeros_like(need),
+        # Kept with the history only: (B, N) per step is the smoother's memory, not the run's.
+        ancestors=resampling.ancestors if resampling is not None and settings.store_history else None,
+        resampler_converged=None if resampling is None else resampling.converged,
+    )
+    return StepOutcome(weights, ess, weighted, record, history)
+
+
+def _any_tensor(state: SMCState) -> Tensor | None:
+    """A state tensor, for the dtype of the first weights when nothing was scored."""
+    return next(iter(state.values())) if state else None
