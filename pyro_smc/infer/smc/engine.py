@@ -79,8 +79,8 @@ class SMC:
 
     Attributes:
         state: the particle state (:class:`~pyro_smc.infer.smc.state.SMCState`).
-        ess: effective sample size after the last weighting, in ``[1, N]``, shape ``(B,)``.
-        The results of the run are the properties below (:attr:`result` holds them all).
+        ess: effective sample size after the last weighting, in ``[1, N]``, shape ``(B,)``;
+            the run's results are the properties below (:attr:`result` holds them all).
 
     Raises:
         TypeError: ``num_particles`` is not given.
@@ -390,7 +390,7 @@ class SMC:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the filters exactly: particles, weights, step records,
         smoothing history, step count, the model's (and guide's) plain attributes and the torch
-        RNG state (:mod:`~pyro_smc.infer.smc.checkpoint`). Parameters live in Pyro's param store:
+        RNG state (``pyro_smc.infer.smc.checkpoint``). Parameters live in Pyro's param store:
         save it alongside. Tensors are detached: a resumed run continues the values, not the graph."""
         return checkpoint.state_dict(self)
 
