@@ -45,7 +45,7 @@ from pyro_smc.models import NonlinearGaussianSSM
 DT, G, QC, R = 0.01, 9.81, 0.01, 0.1
 STEPS = 500
 X0 = (1.5, 0.0)
-DATA = Path(__file__).resolve().parent / "data" / "pendulum_sarkka_svensson_2023.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "pendulum_sarkka_svensson_2023.json"
 # The book's notebooks on its data set (python/example_notebooks/pendulum_*.ipynb, angle RMSE).
 ANCHORS = {"EKF": 0.1683, "ERTS": 0.0574, "UKF": 0.0952, "URTS": 0.0366, "IPLS (book)": 0.0347}
 

@@ -189,10 +189,17 @@ def complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g:
     likelihoods reached 1e29 and made the adjoint system indefinite (gradients of 1e13 to 1e21).
     The c-transform is the potential the fixed point extends to those points, so every column
     of the plan then sums to its (underflowing) mass.
+
+    Only the zero-mass columns (rows) are gathered, ``O(K N)`` for ``K`` such points instead of
+    a logsumexp over the whole ``(B, N, M)`` cost (which at N=2000 was a third of the forward).
     """
     a_zero, b_zero = zero_mass(log_a), zero_mass(log_b)
     if bool(b_zero.any()):
-        g = torch.where(b_zero, soft_min(cost, f, log_a, eps, rows=True), g)
+        *batch, j = b_zero.nonzero(as_tuple=True)
+        logits = (f[(*batch,)] - cost[(*batch, slice(None), j)]) / eps + log_a[(*batch,)]
+        g = g.index_put((*batch, j), -eps * torch.logsumexp(logits, dim=-1))
     if bool(a_zero.any()):
-        f = torch.where(a_zero, soft_min(cost, g, log_b, eps, rows=False), f)
+        *batch, i = a_zero.nonzero(as_tuple=True)
+        logits = (g[(*batch,)] - cost[(*batch, i)]) / eps + log_b[(*batch,)]
+        f = f.index_put((*batch, i), -eps * torch.logsumexp(logits, dim=-1))
     return f, g

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -49,18 +50,30 @@ def sigma_points(mean: Tensor, cov: Tensor, alpha: float = 1.0, beta: float = 0.
         >>> bool(torch.allclose(wm @ points, torch.tensor([1.0, -1.0])))
         True
     """
-    d = mean.shape[-1]
+    points, _, wm, wc = _sigma_points(mean, cov, alpha, beta, kappa)
+    return points, wm.clone(), wc.clone()  # the cached weights stay unshared
+
+
+@functools.lru_cache(maxsize=128)
+def _weights(d: int, alpha: float, beta: float, kappa: float | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, float]:
+    # The weights and the spread sqrt(d + lambda), built once per setting: constants that callers
+    # only read (created outside inference mode, so that autograd may save them).
     kappa = max(3.0 - d, 0.0) if kappa is None else kappa
     lam = alpha**2 * (d + kappa) - d
-    chol = torch.linalg.cholesky(cov)
-    offsets = (d + lam) ** 0.5 * chol.transpose(-1, -2)  # rows are the scaled columns of L
-    centre = mean.unsqueeze(-2)
-    points = torch.cat([centre, centre + offsets, centre - offsets], -2)
-    wm = torch.full((2 * d + 1,), 1.0 / (2 * (d + lam)), dtype=mean.dtype, device=mean.device)
-    wm[0] = lam / (d + lam)
-    wc = wm.clone()
-    wc[0] = wm[0] + 1 - alpha**2 + beta
-    return points, wm, wc
+    with torch.inference_mode(False), torch.no_grad():
+        wm = torch.full((2 * d + 1,), 1.0 / (2 * (d + lam)), dtype=dtype, device=device)
+        wm[0] = lam / (d + lam)
+        wc = wm.clone()
+        wc[0] = wm[0] + 1 - alpha**2 + beta
+    return wm, wc, (d + lam) ** 0.5
+
+
+def _sigma_points(mean: Tensor, cov: Tensor, alpha: float, beta: float, kappa: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # (points, points - mean, wm, wc): the offsets are kept so that the moments need not recompute them.
+    wm, wc, spread = _weights(mean.shape[-1], float(alpha), float(beta), None if kappa is None else float(kappa), mean.dtype, mean.device)
+    offsets = spread * torch.linalg.cholesky(cov).transpose(-1, -2)  # rows are the scaled columns of L
+    dx = torch.cat([torch.zeros_like(offsets[..., :1, :]), offsets, -offsets], -2)
+    return mean.unsqueeze(-2) + dx, dx, wm, wc
 
 
 def unscented_moments(
@@ -87,11 +100,11 @@ def unscented_moments(
         >>> [bool(torch.allclose(u, v, atol=1e-5)) for u, v in ((mean, A @ m + b), (cov, A @ P @ A.T), (cross, P @ A.T))]
         [True, True, True]
     """
-    points, wm, wc = sigma_points(mean, cov, alpha, beta, kappa)
+    points, dx, wm, wc = _sigma_points(mean, cov, alpha, beta, kappa)
     values = fn(points)
     f_mean = wm @ values
     dv = values - f_mean.unsqueeze(-2)
-    dx = points - mean.unsqueeze(-2)
-    f_cov = (dv * wc.unsqueeze(-1)).transpose(-1, -2) @ dv
-    cross = (dx * wc.unsqueeze(-1)).transpose(-1, -2) @ dv
+    weighted = (dv * wc.unsqueeze(-1)).transpose(-1, -2)  # (..., e, 2d + 1)
+    f_cov = weighted @ dv
+    cross = (weighted @ dx).transpose(-1, -2)
     return f_mean, (f_cov + f_cov.transpose(-1, -2)) / 2, cross

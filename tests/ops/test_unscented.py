@@ -33,3 +33,17 @@ def test_quadratic_in_one_dimension_is_exact_with_kappa_default():
     assert math.isclose(float(mean), m**2 + p, rel_tol=1e-12)
     assert math.isclose(float(cov), 4 * m**2 * p + 2 * p**2, rel_tol=1e-12)
     assert math.isclose(float(cross), 2 * m * p, rel_tol=1e-12)
+
+
+def test_cached_weights_are_not_shared_and_survive_inference_mode():
+    m, P = torch.zeros(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64)
+    with torch.inference_mode():
+        unscented_moments(torch.sin, m, P, kappa=0.5)  # first use of this setting builds the cache here
+    m = m.clone().requires_grad_()
+    mean, _, _ = unscented_moments(torch.sin, m, P, kappa=0.5)
+    mean.sum().backward()
+    assert torch.isfinite(m.grad).all()
+    _, wm, _ = sigma_points(m.detach(), P, kappa=0.5)
+    wm.zero_()
+    _, wm2, _ = sigma_points(m.detach(), P, kappa=0.5)
+    assert float(wm2.sum()) == pytest.approx(1.0)

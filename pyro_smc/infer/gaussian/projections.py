@@ -205,6 +205,12 @@ class Unscented(Projection):
         ts = [int(t) for t in ts]
         return unscented_moments(lambda points: torch.stack([fn(p, t) for p, t in zip(points, ts)]), mean, cov, **self.settings)
 
+    def moments(self, fn, mean: Tensor, cov: Tensor, t: int, noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        # map_moments' S is already symmetric (and so is S + noise_cov): _with_noise's second
+        # symmetrisation would return the same bits, so it is skipped on this per-step path.
+        mu, S, C = self.map_moments(fn, mean, cov, t)
+        return mu, S if noise_cov is None else S + noise_cov, C
+
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
         if not is_gp(fn):
             return unscented_moments(lambda x: fn(x, t), mean, cov, **self.settings)

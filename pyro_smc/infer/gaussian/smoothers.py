@@ -69,17 +69,34 @@ __all__ = [
 ]
 
 
-def _log_normal(y: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
-    chol = torch.linalg.cholesky(cov)
-    z = torch.linalg.solve_triangular(chol, (y - mean).unsqueeze(-1), upper=False).squeeze(-1)
-    return -0.5 * (z * z).sum(-1) - torch.diagonal(chol, dim1=-2, dim2=-1).log().sum(-1) - 0.5 * y.shape[-1] * math.log(2 * math.pi)
+def _log_normal(residual: Tensor, chol: Tensor) -> Tensor:
+    # log N(y; mu, S) from y - mu (..., e) and the Cholesky factor of S (..., e, e).
+    z = torch.linalg.solve_triangular(chol, residual.unsqueeze(-1), upper=False).squeeze(-1)
+    return -0.5 * (z * z).sum(-1) - torch.diagonal(chol, dim1=-2, dim2=-1).log().sum(-1) - 0.5 * residual.shape[-1] * math.log(2 * math.pi)
+
+
+def _increments(like: Tensor, steps: int, full: list, partial: list) -> Tensor:
+    # The (T,) log-evidence increments: the fully observed steps' (t, y - mu, chol) in one batched
+    # call after the forward loop, the partly observed ones (each its own dimension) one by one.
+    idx, values = [], []
+    if full:
+        ts, residuals, chols = zip(*full)
+        idx.extend(ts)
+        values.append(_log_normal(torch.stack(residuals), torch.stack(chols)))
+    for t, residual, chol in partial:
+        idx.append(t)
+        values.append(_log_normal(residual, chol).unsqueeze(0))
+    increments = like.new_zeros(steps)
+    if not idx:
+        return increments
+    return increments.index_put((torch.tensor(idx, device=like.device),), torch.cat(values))
 
 
 class _FilterPass(NamedTuple):
     # The filter's marginals, each step's predicted moments (M, S, C) for the smoother, and the evidence.
     means: Tensor
     covariances: Tensor
-    predictions: list
+    predictions: tuple  # (M (T-1, d), S (T-1, d, d), C (T-1, d, d)): step t -> t + 1
     log_evidence: Tensor
     increments: Tensor
 
@@ -118,36 +135,34 @@ def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Proje
     status = observation_status(ys)
     where = f"Gaussian filter ({projection!r})"
     m, P = ssm.init_mean, ssm.init_cov
-    means, covs, predictions, increments = [], [], [], []
-    log_lik = ys.new_zeros(())
+    means, covs, predictions, full, partial = [], [], [], [], []
     for t in range(ys.shape[0]):
         try:
             if t > 0:
                 M, S, C = transition.moments(ssm.transition_fn, m, P, t - 1, ssm.transition_cov)
                 predictions.append((M, S, C))
                 m, P = M, S
-            increment = log_lik.new_zeros(())
             if status[t] != ObservationStatus.MISSING:
                 y, (mu, S_y, C_y) = ys[t], observation.moments(ssm.observation_fn, m, P, t, ssm.observation_cov)
                 if status[t] == ObservationStatus.PARTLY_OBSERVED:
                     y, mu, S_y, C_y = observed_moments(y, observed[t], mu, S_y, C_y)
-                gain_t = torch.linalg.solve(S_y, C_y.transpose(-1, -2))  # K^T = S_y^{-1} C_y^T
-                m = m + (y - mu) @ gain_t
+                chol = torch.linalg.cholesky(S_y)
+                gain_t = torch.cholesky_solve(C_y.transpose(-1, -2), chol)  # K^T = S_y^{-1} C_y^T
+                residual = y - mu
+                m = m + residual @ gain_t
                 P = symmetrize(P - C_y @ gain_t)
-                increment = _log_normal(y, mu, S_y)
-                log_lik = log_lik + increment
+                (full if status[t] == ObservationStatus.OBSERVED else partial).append((t, residual, chol))
         except torch.linalg.LinAlgError as error:
             raise _failed(where, t, {"filtering mean": means + [m], "filtering covariance": covs + [P]}, error) from error
         means.append(m)
         covs.append(P)
-        increments.append(increment)
-    increments = torch.stack(increments)
+    increments = _increments(ys, ys.shape[0], full, partial)
     means, covs = torch.stack(means), torch.stack(covs)
     # One check per run: a NaN that never reaches a factorisation (an unobserved coordinate)
     # would otherwise pass silently, beside a finite evidence.
     check_finite_steps(where, {"filtering mean": means, "filtering covariance": covs, "log-evidence increment": increments}, DIVERGED)
-    return _FilterPass(means, covs, predictions, log_lik, increments)
-
+    predictions = tuple(torch.stack(column) for column in zip(*predictions)) if predictions else ()
+    return _FilterPass(means, covs, predictions, increments.sum(), increments)
 
 
 def gaussian_filter(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> GaussianSmootherResult:
@@ -228,14 +243,20 @@ def gaussian_smoother(ssm: GaussianStateSpaceModel, observations: Tensor, projec
     means, covs, predictions, log_lik, increments = _filter(ssm, observations, projection)
     where = f"Gaussian smoother ({projection!r})"
     ms, Ps = [means[-1]], [covs[-1]]
-    for t in range(len(means) - 2, -1, -1):
-        M, S, C = predictions[t]
-        try:
-            gain = torch.linalg.solve(S, C.transpose(-1, -2)).transpose(-1, -2)  # G = C S^{-1}
-        except torch.linalg.LinAlgError as error:
-            raise ValueError(f"{where}: the predicted covariance of time step {t + 1} is singular, so the smoother gain at time step {t} is undefined; {DIVERGED}") from error
-        ms.append(means[t] + (ms[-1] - M) @ gain.transpose(-1, -2))
-        Ps.append(symmetrize(covs[t] + gain @ (Ps[-1] - S) @ gain.transpose(-1, -2)))
+    if predictions:
+        M, S, C = predictions
+        gain_t, info = torch.linalg.solve_ex(S, C.transpose(-1, -2))  # G_t^T = S^{-1} C^T for every t at once
+        if bool((info != 0).any()):
+            t = int(torch.nonzero(info).max())  # the backward pass meets the last singular step first
+            raise ValueError(f"{where}: the predicted covariance of time step {t + 1} is singular, so the smoother gain at time step {t} is undefined; {DIVERGED}")
+        # m^s_t = (m_t - G M) + G m^s_{t+1} and P^s_t = (P_t - G S G^T) + G P^s_{t+1} G^T: the
+        # bracketed terms are batched over t, the recursion keeps two products per step.
+        gain = gain_t.transpose(-1, -2)
+        mean_offsets = means[:-1] - (M.unsqueeze(-2) @ gain_t).squeeze(-2)
+        cov_offsets = covs[:-1] - gain @ S @ gain_t
+        for t in range(len(means) - 2, -1, -1):
+            ms.append(mean_offsets[t] + ms[-1] @ gain_t[t])
+            Ps.append(symmetrize(cov_offsets[t] + gain[t] @ Ps[-1] @ gain_t[t]))
     ms, Ps = torch.stack(ms[::-1]), torch.stack(Ps[::-1])
     check_finite_steps(where, {"smoothed mean": ms, "smoothed covariance": Ps}, DIVERGED)
     return GaussianSmootherResult(ms, Ps, log_evidence=log_lik, log_evidence_increments=increments)

@@ -58,6 +58,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 from collections import deque
 from typing import Any, Callable
 
@@ -81,7 +82,12 @@ from pyro_smc.observations import check_observations
 from pyro_smc.regression import Regressor, make_regressor
 from pyro_smc.tracing import module_context
 
-__all__ = ["EXTRAPOLATION_LIMIT", "INITIALIZE", "OnlineFilterWarning", "OnlineVariationalFilter", "robbins_monro"]
+__all__ = ["EXTRAPOLATION_LIMIT", "INITIALIZE", "TOL_DEFAULT", "OnlineFilterWarning", "OnlineVariationalFilter", "robbins_monro"]
+
+TOL_DEFAULT = None
+"""The default ``tol`` of :class:`OnlineVariationalFilter`'s per-step stopping rule: off, for now.
+``tol=1e-3`` cuts a d = 2 step about 3.6x at Kalman tracking error <= 0.045 sd, but stops a d = 10
+step early enough to cost accuracy (its joint KL to Kalman 0.256 against 0.25 at all 100 iterations)."""
 
 
 class OnlineVariationalFilter:
@@ -94,7 +100,15 @@ class OnlineVariationalFilter:
             (``StreamingFilterGuide(d)``, no ``num_steps``), or a
             :class:`~pyro_smc.guides.StreamingFamily` with one kernel.
         num_samples: Monte Carlo samples per optimisation iteration.
-        num_iterations: Adam iterations on ``phi_t`` per observation (0: use the guide as it is).
+        num_iterations: Adam iterations on ``phi_t`` per observation (0: use the guide as it is),
+            at most: see ``tol``.
+        tol: the per-step stopping rule (default ``None``: always run ``num_iterations``; try
+            ``1e-3`` in low dimensions, see ``TOL_DEFAULT``): a step's optimisation stops once the mean objective of its last 10
+            iterations exceeds that of the 10 before by less than ``tol`` times its absolute value
+            (``pyro_smc.infer.online.objective.converged``), so at least 20 iterations run (all of
+            them when ``num_iterations <= 20``). The Monte Carlo objective is noisy, so near the
+            optimum (e.g. from the exact Laplace start of a linear-Gaussian model) a step stops
+            after about 20 iterations; the iterations each step ran are in ``result.iterations``.
         lr: Adam learning rate for ``phi_t`` in the whitened units of the step's start (decayed
             tenfold over each step's iterations): an iteration moves the marginal's and the
             kernel's means by about ``lr`` of their standard deviations in any direction and
@@ -158,6 +172,7 @@ class OnlineVariationalFilter:
         *,
         num_samples: int = 32,
         num_iterations: int = 100,
+        tol: float | None = TOL_DEFAULT,
         lr: float = 0.03,
         initial_lr: float | None = None,
         regressor: str | Regressor = "quadratic",
@@ -175,6 +190,9 @@ class OnlineVariationalFilter:
         self.guide = guide
         self.num_samples = positive_int("num_samples", num_samples)
         self.num_iterations = int_at_least("num_iterations", num_iterations, 0)
+        if tol is not None and not (isinstance(tol, (int, float)) and not isinstance(tol, bool) and math.isfinite(tol) and tol > 0):
+            raise ValueError(f"tol must be a finite number > 0, or None (always run num_iterations), got {tol!r}")
+        self.tol = None if tol is None else float(tol)
         self.num_regression_samples = int_at_least("num_regression_samples", num_regression_samples, 2)
         self.window = positive_int("window", window)
         self.initialize = initialize
@@ -190,7 +208,7 @@ class OnlineVariationalFilter:
         self.progress_bar = bool(progress_bar)
         self.lr = lr
         self.initial_lr = 10.0 * self.lr if initial_lr is None else positive_float("initial_lr", initial_lr)
-        self._optimiser = StepOptimiser(guide, lr=self.lr, initial_lr=self.initial_lr, num_iterations=self.num_iterations, num_samples=self.num_samples)
+        self._optimiser = StepOptimiser(guide, lr=self.lr, initial_lr=self.initial_lr, num_iterations=self.num_iterations, num_samples=self.num_samples, tol=self.tol)
         self.init()
 
     # --- public interface --------------------------------------------------------------------
@@ -210,7 +228,7 @@ class OnlineVariationalFilter:
         self._obs_shape: torch.Size | None = None
         self.last_increments: Tensor | None = None
         # Per-step summaries for `result`: O(T d^2) memory, a few hundred bytes a step for small d.
-        self._history: dict[str, list[Tensor]] = {"log_evidence_increments": [], "filtering_means": [], "filtering_covariances": []}
+        self._history: dict[str, list[Tensor]] = {"log_evidence_increments": [], "filtering_means": [], "filtering_covariances": [], "iterations": []}
         with poutine.block(), module_context(self.model):
             trace = poutine.trace(self.model.init).get_trace(self._state, *args, **kwargs)
         # Every parameter the model has (a PyroModule's) or has read (init's, then each step's).
@@ -253,6 +271,7 @@ class OnlineVariationalFilter:
         self._history["log_evidence_increments"].append(self.log_evidence_increment.detach().clone())
         self._history["filtering_means"].append(marginal.mean.detach().clone())
         self._history["filtering_covariances"].append(marginal_covariance(marginal).detach().clone())
+        self._history.setdefault("iterations", []).append(torch.tensor(self._optimiser.iterations))
         self.t += 1
         return self
 
@@ -291,11 +310,14 @@ class OnlineVariationalFilter:
     @property
     def result(self) -> OnlineFilterResult:
         """A snapshot of the stream so far as an :class:`~pyro_smc.infer.online.result.OnlineFilterResult`:
-        the running ELBO ``log_evidence`` and its standard error, its per-step increments ``(T,)``
-        and the filtering marginals' means ``(T, d)`` and covariances ``(T, d, d)`` (detached)."""
+        the running ELBO ``log_evidence`` and its standard error, its per-step increments ``(T,)``,
+        the filtering marginals' means ``(T, d)`` and covariances ``(T, d, d)`` (detached), and the
+        optimisation iterations each step ran ``(T,)`` (``None`` after a checkpoint that lacks them)."""
         if not self._history["filtering_means"]:
             raise RuntimeError("no observation has been assimilated yet; call run(observations) or step(y) first")
         stacked = {name: torch.stack(values) for name, values in self._history.items()}
+        if "iterations" in stacked and len(stacked["iterations"]) != len(stacked["filtering_means"]):
+            del stacked["iterations"]  # a stream restored from a checkpoint made before they were recorded
         return OnlineFilterResult(log_evidence=self.log_evidence, log_evidence_standard_error=self.log_evidence_standard_error, **stacked)
 
     @property

@@ -43,7 +43,28 @@ from pyro_smc.guides.streaming.frame import StepFrame
 from pyro_smc.infer.online.context import StepContext
 from pyro_smc.regression import Regressor
 
-__all__ = ["Draw", "StepOptimiser", "draw", "increment"]
+__all__ = ["STOP_WINDOW", "Draw", "StepOptimiser", "converged", "draw", "increment"]
+
+STOP_WINDOW = 10
+"""``k`` of the stopping rule: the windows of :func:`converged` are ``k`` iterations long."""
+
+
+def converged(values: list[float], tol: float, window: int = STOP_WINDOW) -> bool:
+    """Whether the objective has stopped improving: at least ``2 window`` values, and the mean of
+    the last ``window`` exceeds the mean of the ``window`` before by less than ``tol`` times its
+    absolute value (1 when that is below 1, so that an objective near 0 does not need an
+    improvement near 0). The objective is maximised; a noisy one that has converged fluctuates and
+    stops at the first window that does not improve by ``tol``.
+
+    Example:
+        >>> converged([-10.0] * 4, 1e-3, window=2), converged([-20.0, -20.0, -10.0, -10.0], 1e-3, window=2), converged([-10.0] * 3, 1e-3, window=2)
+        (True, False, False)
+    """
+    if len(values) < 2 * window:
+        return False
+    last = sum(values[-window:]) / window
+    before = sum(values[-2 * window : -window]) / window
+    return last - before < tol * max(abs(before), 1.0)
 
 
 class Draw(NamedTuple):
@@ -106,16 +127,23 @@ class StepOptimiser:
         initial_lr: the rate at ``t = 0``.
         num_iterations: Adam iterations per step (0: leave the guide as it is).
         num_samples: Monte Carlo samples per iteration.
+        tol: the stopping rule's relative tolerance (``None``: always run ``num_iterations``):
+            after each iteration ``i >= 2 k - 1`` (``k =`` :data:`STOP_WINDOW`) the step stops when
+            the mean objective of the last ``k`` iterations exceeds that of the ``k`` before by less
+            than ``tol`` times its absolute value (:func:`converged`).
 
     Attributes:
         optim: the last step's Adam (over the whitened variables; ``None`` before the first).
+        iterations: the number of iterations the last :meth:`fit` ran (0 before the first).
     """
 
-    def __init__(self, guide: StreamingFamily, *, lr: float, initial_lr: float, num_iterations: int, num_samples: int):
+    def __init__(self, guide: StreamingFamily, *, lr: float, initial_lr: float, num_iterations: int, num_samples: int, tol: float | None = None):
         self.guide = guide
         self.lr, self.initial_lr = lr, initial_lr
         self.num_iterations, self.num_samples = num_iterations, num_samples
+        self.tol = tol
         self.optim: torch.optim.Optimizer | None = None
+        self.iterations = 0
 
     def fit(self, context: StepContext, value: Regressor | None) -> None:
         """Runs the step's iterations; ``value`` is ``U_{t-1}`` (``None`` at the first step).
@@ -124,8 +152,10 @@ class StepOptimiser:
             ValueError: an iteration made a parameter not finite (naming the step).
         """
         n = self.num_iterations
+        self.iterations = 0
         if n == 0:
             return
+        values: list[float] = []
         named = [(name, p) for name, p in self.guide.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         frame = StepFrame(self.guide)
@@ -138,7 +168,9 @@ class StepOptimiser:
             pairs = draw(self.guide, context, self.num_samples, reparameterise=True)
             delta, _ = increment(context, pairs)
             objective = delta if pairs.x_prev is None else delta + value(pairs.x_prev).reshape(-1)
-            grads = torch.autograd.grad(-objective.mean(), params, allow_unused=True)
+            mean = objective.mean()
+            values.append(float(mean.detach()))
+            grads = torch.autograd.grad(-mean, params, allow_unused=True)
             # The chain rule to the whitened variables: a vector-Jacobian product of the frame.
             phi = frame.parameters(w)
             used = [(phi[name], g) for (name, _), g in zip(named, grads) if g is not None]
@@ -159,3 +191,6 @@ class StepOptimiser:
                     "finite at the draws (check the model at this step), or lr is too large (an iteration moves "
                     "each log standard deviation by about lr)"
                 )
+            self.iterations = i + 1
+            if self.tol is not None and converged(values, self.tol, STOP_WINDOW):
+                break

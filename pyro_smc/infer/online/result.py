@@ -29,6 +29,7 @@ class OnlineFilterResult(NamedTuple):
         filtering_means: ``(T, d)`` means of the filtering marginals ``q_t(x_t)``.
         filtering_covariances: ``(T, d, d)`` their covariances.
         log_evidence_standard_error: scalar, the Monte Carlo standard error of ``log_evidence``.
+        iterations: ``(T,)`` the optimisation iterations each step ran (``None`` when not recorded).
 
     Example:
         >>> import torch
@@ -48,3 +49,4 @@ class OnlineFilterResult(NamedTuple):
     filtering_means: Tensor
     filtering_covariances: Tensor
     log_evidence_standard_error: Tensor
+    iterations: Tensor | None = None

@@ -7,10 +7,12 @@ particles and the weights), ``result`` (a step's record and the run's stacked re
 ``importance`` (a step's importance weight from the traces), ``scores`` (the score-function
 terms that need the step's state), ``schedule`` (what ``run`` feeds each step), ``checks``
 (input checks and warnings), ``smoothing`` (the stored history and the particle smoothers),
-``checkpoint`` (``state_dict``) and ``elbo`` (``SMCELBO``).
+``checkpoint`` (``state_dict``), ``compiled`` (a step recorded once and replayed) and ``elbo``
+(``SMCELBO``).
 """
 
 from pyro_smc.infer.smc.checks import NonReparameterizedGradientWarning, ParticleDegeneracyWarning
+from pyro_smc.infer.smc.compiled import CompileFallbackWarning
 from pyro_smc.infer.smc.elbo import SMCELBO
 from pyro_smc.infer.smc.engine import SMC
 from pyro_smc.infer.smc.importance import SMCFailedError
@@ -18,6 +20,7 @@ from pyro_smc.infer.smc.result import SMCResult, StepRecord
 from pyro_smc.infer.smc.state import ParticleWeights, SMCState
 
 __all__ = [
+    "CompileFallbackWarning",
     "NonReparameterizedGradientWarning",
     "ParticleDegeneracyWarning",
     "ParticleWeights",

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from pyro_smc.infer.model_state import plain_attributes
 from pyro_smc.infer.smc import smoothing
+from pyro_smc.infer.smc.compiled import CompiledStep
 from pyro_smc.infer.smc.checks import ESTIMATOR_OPTION, check_marginal_supported
 from pyro_smc.infer.smc.importance import ParticleLayout, log_weight_terms, score_terms
 from pyro_smc.infer.smc.result import StepRecord
@@ -41,12 +42,14 @@ class StepSettings(NamedTuple):
             gradient estimator).
         ess_threshold: resample a filter when its ESS falls below ``ess_threshold * N``.
         store_history: keep what :meth:`~pyro_smc.SMC.smooth` needs.
+        compiled: the run's :class:`~pyro_smc.infer.smc.compiled.CompiledStep`, or ``None``.
     """
 
     layout: ParticleLayout
     resampler: Callable
     ess_threshold: float
     store_history: bool
+    compiled: CompiledStep | None = None
 
     @property
     def estimator(self) -> GradientEstimator:
@@ -101,17 +104,31 @@ def advance(
     # The unbatched state: step_record adds the filter dim itself.
     parent = (dict(state), weights.log_weights) if settings.store_history and weights is not None else None
 
-    proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function)
+    compiled = settings.compiled
+    scored = score_function and torch.is_grad_enabled()
+    replayed = None
+    if compiled is not None and compiled.eligible(settings.store_history, inputs, score_function):
+        replayed = compiled.run(program, state, model_fn, guide_fn, inputs, score_function, scored)
+    if replayed is not None and replayed.proposal is None:
+        # A replayed step: its checks ran when it was recorded.
+        weighed = weigh(weights, replayed.terms, replayed.score, layout, inputs, _any_tensor(state))
+        return finish(settings, checks.discrete_keys, state, weighed, inputs, None)
+    proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function) if replayed is None else replayed.proposal
     checks.check(proposal, state, inputs, ESTIMATOR_OPTION[estimator.value] if score_function else None)
-    terms = log_weight_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.predict_only, inputs.partial, inputs.active)
+    if replayed is None:
+        terms = log_weight_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.predict_only, inputs.partial, inputs.active)
+    else:
+        terms = replayed.terms
+    if compiled is not None and replayed is None and compiled.eligible(settings.store_history, inputs, score_function):
+        compiled.observe(program, proposal, state, terms)
     history = smoothing.step_record(proposal.model_trace, state, parent, layout) if settings.store_history and inputs.t is not None else None
-    score = None
+    score = None if replayed is None else replayed.score
     if marginal:
         score = marginal_scores(program, proposal, weights.log_weights, before, state, program.model, inputs, layout)
         if score is not None:
             # The previous weights' gradient now enters through the marginal score only.
             weights = weights._replace(log_weights=weights.log_weights.detach())
-    elif score_function and torch.is_grad_enabled():
+    elif scored and replayed is None:
         score = score_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.active)
     checks.check_state(state, inputs.where)
     return finish(settings, checks.discrete_keys, state, weigh(weights, terms, score, layout, inputs, _any_tensor(state)), inputs, history)

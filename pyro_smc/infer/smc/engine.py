@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.smc import checkpoint, smoothing
 from pyro_smc.infer.smc.advance import StepSettings, advance
+from pyro_smc.infer.smc.compiled import CompiledStep
 from pyro_smc.infer.smc.checks import (
     NonReparameterizedGradientWarning,
     ParticleDegeneracyWarning,
@@ -59,8 +60,7 @@ __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarni
 class SMC:
     """Differentiable, vectorised particle filter over Pyro ``init``/``step`` models.
 
-    The first four arguments are positional as in ``SMCFilter(model, guide, num_particles,
-    max_plate_nesting)``, so a call written for ``SMCFilter`` works unchanged.
+    The first four arguments are positional as in ``SMCFilter(model, guide, num_particles, max_plate_nesting)``.
 
     Args:
         model: object with ``init(state, *args)`` and ``step(state, *args)`` Pyro methods.
@@ -76,6 +76,9 @@ class SMC:
         progress_bar: show a tqdm progress bar in :meth:`run` (off by default; the CLI demo turns it on).
         store_history: keep, per step, what :meth:`smooth` needs (the weighted particles, their
             parents and the latent sites' distributions; memory ``O(T B N)``; off by default).
+        compile: replay a recording of a regular step instead of re-running the program
+            (``docs/engines/smc.md#the-compiled-step``): ``None`` when safe, else silently on
+            Pyro's handlers; ``True`` the same with a warning; ``False`` never.
 
     Attributes:
         state: the particle state (:class:`~pyro_smc.infer.smc.state.SMCState`).
@@ -122,6 +125,7 @@ class SMC:
         num_filters: int = 1,
         progress_bar: bool = False,
         store_history: bool = False,
+        compile: bool | None = None,
     ):
         if num_particles is None:
             raise TypeError("SMC needs num_particles: SMC(model, guide, num_particles, max_plate_nesting) or SMC(model, num_particles=N)")
@@ -139,6 +143,7 @@ class SMC:
         # Fixed for the engine's life; read several times per step.
         self._layout = ParticleLayout(self.num_filters, self.num_particles, self.max_plate_nesting)
         self._program = StepProgram(model, guide, self._layout)
+        self._compiled = CompiledStep(compile)
         self._reset()
 
     def _reset(self) -> None:
@@ -152,8 +157,8 @@ class SMC:
         self._records: list[StepRecord] = []
         self._history: list[dict] = []  # per step, what smooth() needs (store_history)
         self._checks = TraceChecks(self.model, self._layout.particle_shape)
+        self._compiled.reset()
 
-    # --- the estimator the resampler asks for ---------------------------------------------------
     @property
     def score_function(self) -> bool:
         """Whether the resampler asks for a Fisher-identity gradient (``gradient="stop_gradient"``
@@ -168,7 +173,6 @@ class SMC:
         the single-ancestor score (``docs/math/smc.md#marginal-stop-gradient``)."""
         return estimator_of(self.resampler) is GradientEstimator.MARGINAL_SCORE
 
-    # --- public loop --------------------------------------------------------------------------
     def init(self, *args, **kwargs) -> SMC:
         """Starts new filters: runs ``model.init`` (and ``guide.init``) on fresh particles."""
         self._reset()
@@ -269,7 +273,7 @@ class SMC:
     # --- one step: propose -> weigh -> summarise -> maybe resample -------------------------------
     def _advance(self, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs) -> None:
         """Takes one step (``inputs.t is None``: ``init``) and keeps what it made."""
-        settings = StepSettings(self._layout, self.resampler, self.ess_threshold, self.store_history)
+        settings = StepSettings(self._layout, self.resampler, self.ess_threshold, self.store_history, self._compiled)
         outcome = advance(settings, self._program, self._checks, self.state, self._weights, model_fn, guide_fn, inputs)
         if outcome.weights is None:
             return
@@ -279,7 +283,11 @@ class SMC:
         if outcome.history is not None:
             self._history.append(outcome.history)
 
-    # --- results ------------------------------------------------------------------------------
+    @property
+    def compile_status(self) -> str | None:
+        """Why this run is not compiled (``None``: compiled or undecided; ``docs/engines/smc.md#the-compiled-step``)."""
+        return self._compiled.reason
+
     @property
     def log_weights(self) -> Tensor | None:
         """``(B, N)`` normalised log-weights after the last step (``None`` before ``init``)."""
@@ -349,16 +357,12 @@ class SMC:
     def smooth(self, num_samples: int, method: str = "ffbs", max_rounds: int = smoothing.REJECTION_MAX_ROUNDS) -> dict[str, Tensor]:
         """Draws ``num_samples`` trajectories per filter from the particle smoother (needs ``store_history=True``).
 
-        ``method="ffbs"`` (forward filtering, backward sampling) draws the last state by the final
-        weights, then each earlier state among the particles the next step propagated from, with
-        probability proportional to their weight times ``f(x_t | x_{t-1})``: any resampler,
-        ``O(S B N)`` per step, ``max_plate_nesting == 0``, and every latent site of a step must
-        depend on the previous state only (not checked). ``method="rejection"`` draws from the
-        same backward kernel by rejection (Douc et al. 2011, with Dau and Chopin's 2022 hybrid
-        fallback to the exact draw after ``max_rounds``): ``O(1)`` expected density evaluations
-        per draw for ``Normal``/``MultivariateNormal`` transitions. ``method="genealogy"``
-        follows the ancestral lines (cheap, but early times have few distinct values); index
-        resamplers only. See ``docs/math/smc.md#particle-smoothing``.
+        ``method="ffbs"`` (forward filtering, backward sampling): each earlier state drawn among the
+        particles with probability proportional to weight times ``f(x_t | x_{t-1})``; any resampler,
+        ``O(S B N)`` per step, no model plates. ``"rejection"``: the same kernel by rejection (Douc
+        et al. 2011, with the exact fallback after ``max_rounds``), ``O(1)`` per draw for Normal/MVN
+        transitions. ``"genealogy"``: the ancestral lines (index resamplers only). See
+        ``docs/math/smc.md#particle-smoothing``.
 
         Args:
             num_samples: trajectories per filter, ``>= 1``.
@@ -379,14 +383,10 @@ class SMC:
         return smoothing.smooth(self._history, num_samples, method, self._layout, has_ancestors, max_rounds=max_rounds)
 
     def get_empirical(self) -> dict[str, dist.Empirical]:
-        """The weighted particle approximation of each state tensor, as ``SMCFilter`` returns it.
-
-        Batch shape ``(B,)`` when ``num_filters > 1``, scalar otherwise.
-        """
+        """Each state tensor's weighted particles as ``SMCFilter`` returns them (batch ``(B,)`` if ``B > 1``)."""
         log_w = self.log_weights if self.num_filters > 1 else self.log_weights[0]
         return {key: dist.Empirical(value, log_w) for key, value in self.state.items()}
 
-    # --- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the filters exactly: particles, weights, step records,
         smoothing history, step count, the model's (and guide's) plain attributes and the torch

@@ -1,0 +1,229 @@
+"""The compiled step (``SMC(compile=...)``) against the handler path: the same random stream, so
+the same particles, log-evidence and gradients to rounding, and a fallback wherever a recording
+would not be valid."""
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.nn import PyroModule, PyroParam
+
+from pyro_smc import SMC
+from pyro_smc.infer.smc.compiled import CompileFallbackWarning
+from pyro_smc.resamplers import OTResampler, SystematicResampler
+
+T = 30
+
+
+class AR(PyroModule):
+    """x_t = theta x_{t-1} + N(0, 1), y_t = x_t + N(0, 0.5^2), theta a PyroParam."""
+
+    def __init__(self, theta=0.7):
+        super().__init__()
+        self.theta = PyroParam(torch.tensor(theta), constraint=dist.constraints.interval(-1.0, 1.0))
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(0.0, 1.0))
+
+    def step(self, state, y):
+        state["x"] = pyro.sample("x", dist.Normal(self.theta * state["x"], 1.0))
+        pyro.sample("y", dist.Normal(state["x"], 0.5), obs=y)
+
+
+class Proposal(PyroModule):
+    """A learnable proposal q(x_t | x_{t-1}, y_t) = N(a x_{t-1} + b y_t, s^2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = PyroParam(torch.tensor(0.5))
+        self.b = PyroParam(torch.tensor(0.3))
+        self.s = PyroParam(torch.tensor(0.9), constraint=dist.constraints.positive)
+
+    def init(self, state):
+        pyro.sample("x_init", dist.Normal(0.0, 1.0))
+
+    def step(self, state, y):
+        pyro.sample("x", dist.Normal(self.a * state["x"] + self.b * y, self.s))
+
+
+def _data(seed=0, T=T):
+    g = torch.Generator().manual_seed(seed)
+    x, ys = 0.0, []
+    for _ in range(T):
+        x = 0.7 * x + torch.randn((), generator=g).item()
+        ys.append(x + 0.5 * torch.randn((), generator=g).item())
+    return torch.tensor(ys)
+
+
+def _run(compile, seed=1, guide=None, model=None, ys=None, **kwargs):
+    pyro.clear_param_store()
+    model = AR() if model is None else model
+    torch.manual_seed(seed)
+    smc = SMC(model, guide, compile=compile, **kwargs)
+    smc.run(_data() if ys is None else ys)
+    params = [p for _, p in pyro.get_param_store().named_parameters()]
+    grads = torch.autograd.grad(smc.log_evidence.sum(), params, allow_unused=True) if params else []
+    return smc, grads
+
+
+def _assert_same(a, b, grads_a=(), grads_b=()):
+    assert torch.allclose(a.log_evidence, b.log_evidence, rtol=0, atol=1e-12)
+    for key in a.filtering_means:
+        assert torch.allclose(a.filtering_means[key], b.filtering_means[key], rtol=0, atol=1e-12)
+    for ga, gb in zip(grads_a, grads_b):
+        assert (ga is None) == (gb is None)
+        if ga is not None:
+            assert torch.allclose(ga, gb, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("resampler", [SystematicResampler(), OTResampler(epsilon=0.5)], ids=["systematic", "ot"])
+@pytest.mark.parametrize("with_guide", [False, True], ids=["bootstrap", "guide"])
+def test_compiled_equals_handler_path(resampler, with_guide):
+    guide = Proposal() if with_guide else None
+    plain, g_plain = _run(False, guide=guide, num_particles=64, num_filters=3, resampler=resampler)
+    guide = Proposal() if with_guide else None
+    fast, g_fast = _run(True, guide=guide, num_particles=64, num_filters=3, resampler=resampler)
+    assert fast._compiled.reason is None and fast._compiled.compiled_steps == T - 3
+    _assert_same(fast, plain, g_fast, g_plain)
+    assert torch.equal(fast.resampled, plain.resampled)
+
+
+class PlainAR:
+    """Not a PyroModule: theta a tensor attribute that requires grad (``model.A = theta`` style)."""
+
+    def __init__(self, theta):
+        self.theta = theta
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(0.0, 1.0))
+
+    def step(self, state, y):
+        state["x"] = pyro.sample("x", dist.Normal(self.theta * state["x"], 1.0))
+        pyro.sample("y", dist.Normal(state["x"], 0.5), obs=y)
+
+
+def test_tensor_attributes_are_inputs_of_the_recording():
+    out = []
+    for compile in (False, None):
+        theta = torch.tensor(0.7, requires_grad=True)
+        torch.manual_seed(4)
+        smc = SMC(PlainAR(theta), num_particles=50, num_filters=2, compile=compile).run(_data())
+        out.append((smc, torch.autograd.grad(smc.log_evidence.sum(), theta)))
+    (plain, g_plain), (fast, g_fast) = out
+    assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
+    _assert_same(fast, plain, g_fast, g_plain)
+    # A new tensor on the model between runs is what the next run reads.
+    fast.model.theta = torch.tensor(0.2)
+    torch.manual_seed(4)
+    again = fast.run(_data())
+    torch.manual_seed(4)
+    reference = SMC(PlainAR(torch.tensor(0.2)), num_particles=50, num_filters=2, compile=False).run(_data())
+    _assert_same(again, reference)
+
+
+def test_compiled_float32_and_the_kalman_answer():
+    """The compiled filter is still a particle filter: its log Z averages to the exact value."""
+    torch.set_default_dtype(torch.float32)  # conftest restores the default after the test
+    ys = _data(T=20)
+    smc, _ = _run(True, ys=ys, num_particles=200, num_filters=50)
+    assert smc.log_evidence.dtype == torch.float32
+    assert smc._compiled.compiled_steps == 17
+    # Kalman filter of the same scalar model.
+    m, p, exact = 0.0, 1.0, 0.0
+    for y in ys.tolist():
+        m, p = 0.7 * m, 0.49 * p + 1.0
+        s = p + 0.25
+        exact += -0.5 * (math.log(2 * math.pi * s) + (y - m) ** 2 / s)
+        m, p = m + p / s * (y - m), p - p * p / s
+    lz = smc.log_evidence.detach().double()
+    # exp(log Z_hat) is unbiased; log Z_hat sits below log Z by about var / 2.
+    assert abs(lz.mean().item() - exact) < 5 * lz.std().item() / math.sqrt(50) + lz.var().item()
+
+
+class Counting(AR):
+    def init(self, state):
+        super().init(state)
+        self.t = 0
+
+    def step(self, state, y):
+        super().step(state, y)
+        self.t += 1
+
+
+class Branching(AR):
+    def step(self, state, y):
+        scale = 0.5 if y > 0 else 1.0  # a Python branch on the observation's value
+        state["x"] = pyro.sample("x", dist.Normal(self.theta * state["x"], 1.0))
+        pyro.sample("y", dist.Normal(state["x"], scale), obs=y)
+
+
+class Logging(AR):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def step(self, state, y):
+        super().step(state, y)
+        self.seen.append(y)
+
+
+@pytest.mark.parametrize("model, expected", [(Counting, "self.t"), (Branching, "Python value"), (Logging, "list or dict")])
+def test_fallback_is_named_and_changes_nothing(model, expected):
+    plain, g_plain = _run(False, model=model(), num_particles=50)
+    with pytest.warns(CompileFallbackWarning, match="handlers"):
+        fast, g_fast = _run(True, model=model(), num_particles=50)
+    assert expected in fast.compile_status and fast._compiled.compiled_steps == 0
+    if model is Logging:
+        assert len(fast.model.seen) == len(plain.model.seen) == T
+    _assert_same(fast, plain, g_fast, g_plain)
+    quiet, _ = _run(None, model=model(), num_particles=50)  # compile=None: the same, no warning
+    assert quiet._compiled.reason is not None
+
+
+def test_missing_steps_and_batches_run_on_the_handler_path_between_replays():
+    ys = _data()
+    ys[10] = float("nan")
+    plain, g_plain = _run(False, ys=ys, num_particles=50, num_filters=2)
+    fast, g_fast = _run(True, ys=ys, num_particles=50, num_filters=2)
+    assert fast._compiled.reason is None and fast._compiled.compiled_steps == T - 4
+    _assert_same(fast, plain, g_fast, g_plain)
+    batch = torch.stack([_data(1), _data(2)]).unsqueeze(-1).squeeze(-1)
+    runs = []
+    for compile in (False, True):
+        pyro.clear_param_store()
+        torch.manual_seed(3)
+        runs.append(SMC(AR(), num_particles=40, num_filters=2, compile=compile).run(batch, lengths=torch.tensor([T, 20]), batched=True))
+    _assert_same(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("gradient", ["stop_gradient", "marginal_stop_gradient"])
+def test_stop_gradient_estimators_run_on_the_handler_path(gradient):
+    plain, g_plain = _run(False, num_particles=30, resampler=SystematicResampler(gradient=gradient))
+    fast, g_fast = _run(None, num_particles=30, resampler=SystematicResampler(gradient=gradient))
+    assert "stop-gradient" in fast._compiled.reason
+    _assert_same(fast, plain, g_fast, g_plain)
+
+
+def test_store_history_is_not_compiled():
+    smc, _ = _run(None, num_particles=20, store_history=True)
+    assert "store_history" in smc._compiled.reason
+
+
+def test_a_failing_replayed_step_reports_as_the_handler_path_does():
+    class Exploding(AR):
+        def step(self, state, y):
+            state["x"] = pyro.sample("x", dist.Normal(self.theta * state["x"], 1.0))
+            pyro.sample("y", dist.Normal(state["x"], (0.5 - y.abs()).exp().log1p()), obs=y)  # fine while |y| small
+
+    ys = _data()
+    ys[20] = 1e6  # the scale underflows to 0: Pyro's validation rejects it
+    errors = []
+    for compile in (False, True):
+        pyro.clear_param_store()
+        torch.manual_seed(0)
+        with pytest.raises(Exception) as info:
+            SMC(Exploding(), num_particles=20, compile=compile).run(ys)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]
