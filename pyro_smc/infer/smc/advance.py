@@ -106,9 +106,9 @@ def advance(
 
     compiled = settings.compiled
     scored = score_function and torch.is_grad_enabled()
-    replayed = None
-    if compiled is not None and compiled.eligible(settings.store_history, inputs, score_function):
-        replayed = compiled.run(program, state, model_fn, guide_fn, inputs, score_function, scored)
+    # Asked once: a recording that gives up inside run() leaves observe() nothing to do.
+    eligible = compiled is not None and compiled.eligible(settings.store_history, inputs, score_function)
+    replayed = compiled.run(program, state, model_fn, guide_fn, inputs, score_function, scored) if eligible else None
     if replayed is not None and replayed.proposal is None:
         # A replayed step: its checks ran when it was recorded.
         weighed = weigh(weights, replayed.terms, replayed.score, layout, inputs, _any_tensor(state))
@@ -119,7 +119,7 @@ def advance(
         terms = log_weight_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.predict_only, inputs.partial, inputs.active)
     else:
         terms = replayed.terms
-    if compiled is not None and replayed is None and compiled.eligible(settings.store_history, inputs, score_function):
+    if eligible and replayed is None:
         compiled.observe(program, proposal, state, terms)
     history = smoothing.step_record(proposal.model_trace, state, parent, layout) if settings.store_history and inputs.t is not None else None
     score = None if replayed is None else replayed.score

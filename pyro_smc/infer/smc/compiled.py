@@ -388,7 +388,9 @@ def _restore(before: tuple, program: StepProgram) -> None:
 
 def _clean(state: dict[str, Tensor], terms: list[tuple[str, Tensor]]) -> bool:
     """No NaN in the particles or the terms (a term may be ``-inf``: a particle of zero weight)."""
-    return not any(bool(torch.isnan(value).any()) for value in list(state.values()) + [term for _, term in terms] if value.is_floating_point())
+    flags = [torch.isnan(value).any() for value in list(state.values()) + [term for _, term in terms] if value.is_floating_point()]
+    # One device read for the whole step, not one per tensor.
+    return not flags or not bool(torch.stack(flags).any())
 
 
 def _name(fn: Callable | None) -> str | None:
