@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "check_log_weights", "normalize", "ess", "log_mean_exp"]
+__all__ = ["all_finite", "check_log_weights", "normalize", "ess", "ess_of_weights", "log_mean_exp"]
 
 
 def all_finite(values: Tensor) -> bool:
@@ -122,12 +122,22 @@ def ess(log_weights: Tensor) -> Tensor:
         >>> round(float(ess(torch.tensor([0.5, 0.5, 0.0, 0.0]).log())), 4)
         2.0
     """
+    # Normalised log-weights are <= 0 and at least one is >= -log N, so the exponentials neither
+    # overflow nor all underflow: no logsumexp needed.
+    return ess_of_weights(torch.exp(log_weights))
+
+
+def ess_of_weights(weights: Tensor) -> Tensor:
+    """:func:`ess` from the weights ``exp(log_weights)`` ``(..., N)`` (a caller that has them).
+
+    Example:
+        >>> float(ess_of_weights(torch.tensor([0.5, 0.5, 0.0, 0.0])))
+        2.0
+    """
     # (sum w)^2 / sum w^2 equals 1 / sum w^2 for normalised weights, and is unchanged by a common
     # factor, so the rounding error of the normalisation (a shared offset of the log-weights,
-    # about 1e-4 in float32 at |log w| ~ 2000) cancels. Normalised log-weights are <= 0 and at least
-    # one is >= -log N, so the exponentials neither overflow nor all underflow: no logsumexp needed.
-    w = torch.exp(log_weights)
-    return w.sum(-1).square() / w.square().sum(-1)
+    # about 1e-4 in float32 at |log w| ~ 2000) cancels.
+    return weights.sum(-1).square() / weights.square().sum(-1)
 
 
 def log_mean_exp(log_values: Tensor, dim: int = -1) -> Tensor:

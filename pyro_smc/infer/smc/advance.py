@@ -20,7 +20,7 @@ from torch import Tensor
 
 from pyro_smc.infer.model_state import plain_attributes
 from pyro_smc.infer.smc import smoothing
-from pyro_smc.infer.smc.compiled import CompiledStep
+from pyro_smc.infer.smc.compiled import CompiledStep, Weighed
 from pyro_smc.infer.smc.checks import ESTIMATOR_OPTION, check_marginal_supported
 from pyro_smc.infer.smc.importance import ParticleLayout, log_weight_terms, score_terms
 from pyro_smc.infer.smc.result import StepRecord
@@ -107,12 +107,14 @@ def advance(
     compiled = settings.compiled
     scored = score_function and torch.is_grad_enabled()
     # Asked once: a recording that gives up inside run() leaves observe() nothing to do.
-    eligible = compiled is not None and compiled.eligible(settings.store_history, inputs, score_function)
-    replayed = compiled.run(program, state, model_fn, guide_fn, inputs, score_function, scored) if eligible else None
+    eligible = compiled is not None and compiled.eligible(settings.store_history, inputs, estimator is GradientEstimator.MARGINAL_SCORE)
+    threshold = settings.ess_threshold * layout.num_particles
+    log_weights = None if weights is None else weights.log_weights
+    replayed = compiled.run(program, state, log_weights, threshold, model_fn, guide_fn, inputs, score_function, scored) if eligible else None
     if replayed is not None and replayed.proposal is None:
-        # A replayed step: its checks ran when it was recorded.
-        weighed = weigh(weights, replayed.terms, replayed.score, layout, inputs, _any_tensor(state))
-        return finish(settings, checks.discrete_keys, state, weighed, inputs, None)
+        # A replayed step: its checks ran when it was recorded, and it weighed itself.
+        recorded = replayed.weighed
+        return finish(settings, checks.discrete_keys, state, weights.gain(recorded.log_weights, recorded.increment), inputs, None, recorded)
     proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function) if replayed is None else replayed.proposal
     checks.check(proposal, state, inputs, ESTIMATOR_OPTION[estimator.value] if score_function else None)
     if replayed is None:
@@ -141,18 +143,23 @@ def finish(
     weights: ParticleWeights | None,
     inputs: StepInputs,
     history: dict | None,
+    recorded: Weighed | None = None,
 ) -> StepOutcome:
-    """The phases after the reweighting: summarise, maybe resample, and the step's record."""
+    """The phases after the reweighting: summarise (unless a replayed step ``recorded`` its
+    summary), maybe resample, and the step's record."""
     if weights is None:
         return StepOutcome(None)
     layout = settings.layout
-    means, ess = summarise(state, weights, layout, inputs)
+    if recorded is None:
+        means, ess = summarise(state, weights, layout, inputs)
+        need, flags = ess < settings.ess_threshold * layout.num_particles, None
+    else:
+        means, ess, need, flags = recorded.means, recorded.ess, recorded.need, recorded.flags
     # References, not copies: resampling replaces the state tensors instead of mutating them.
     weighted = (dict(state), weights.log_weights)
     if history is not None:
         smoothing.record_weighted(history, state, weights.log_weights, layout)
-    need = ess < settings.ess_threshold * layout.num_particles
-    weights, resampling = maybe_resample(state, weights, need, settings.resampler, discrete_keys, layout, inputs.where)
+    weights, resampling = maybe_resample(state, weights, need, settings.resampler, discrete_keys, layout, inputs.where, flags)
     if history is not None and resampling is not None:
         smoothing.record_resampling(history, need, resampling.ancestors, layout)
     if inputs.t is None:

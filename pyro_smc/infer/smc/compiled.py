@@ -5,8 +5,9 @@ distributions, the message stack of ``pyro.sample``, plate broadcasting, the tra
 log-densities. For most state-space models that work is the same at every step; only the tensors
 change. So at the first regular step (``docs/engines/smc.md#the-compiled-step``) the engine records
 the step's tensor computation with ``torch.jit.trace``: a function of the particles, the step's
-tensor arguments and the parameters it read, returning the new particles and the step's
-log-weight terms. Later steps call that recording. The noise is drawn inside the recording by the
+tensor arguments, the previous log-weights and the parameters it read, returning the new
+particles, the step's log-weight terms and its reweighting and summary (log-weights, evidence
+increment, ESS, filtering means). Later steps call that recording. The noise is drawn inside the recording by the
 same generator calls as on the handler path, so a compiled run consumes the random stream exactly
 as an uncompiled one and gives the same particles, log-evidence and gradients to rounding.
 
@@ -22,12 +23,18 @@ A recording is only valid for a program that does the same thing at every step. 
   dtypes, the same tensor argument shapes and equal non-tensor arguments, the same grad mode.
   A step that does not (a missing observation, a batch whose filters observe different steps)
   runs on the handler path, and the recording serves the next regular step;
-* a replayed step whose particles or log-weight terms hold NaN is rewound and rerun on the
-  handler path, with Pyro's validation, so a bad step reports the same error either way.
+* a replayed step whose normaliser or filtering means are not finite is rewound and rerun on
+  the handler path, with Pyro's validation, so a bad step reports the same error either way.
+
+A recording is kept with its model and guide (weakly) for their later runs (``SMCELBO`` builds an
+``SMC`` per SVI step): a run whose step looks the same (signature, scalar attributes, param names)
+verifies it again at its first regular step and replays from the next; a disagreement there (a
+frozen constant that changed, such as a global) makes the run record afresh.
 
 What is not compiled: ``store_history`` (the smoother keeps each step's distributions), the
-stop-gradient estimators (``gradient="stop_gradient"`` and ``"marginal_stop_gradient"``), and a
-program the checks above reject. A fallback is silent with ``compile=None`` (the default) and
+marginal stop-gradient estimator (``gradient="marginal_stop_gradient"``, whose terms pair every
+particle with every parent), and a program the checks above reject. The stop-gradient estimator
+(``gradient="stop_gradient"``) is: its score terms are part of the recording. A fallback is silent with ``compile=None`` (the default) and
 warns once with ``compile=True``; either way :attr:`CompiledStep.reason` and the ``pyro_smc``
 logger say why.
 """
@@ -35,26 +42,62 @@ logger say why.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import pyro
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.model_state import plain_attributes, restore_attributes, rng_state, set_rng_state
-from pyro_smc.infer.smc.importance import log_weight_terms, score_terms
+from pyro_smc.infer.model_state import rng_state, set_rng_state
+from pyro_smc.infer.smc.importance import centred_increment, log_weight_terms, score_terms
 from pyro_smc.infer.smc.state import SMCState
-from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram
+from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram, moments
+from pyro_smc.infer.smc.static_checks import (
+    attribute_snapshot,
+    clean,
+    constants,
+    disagreement,
+    flatten,
+    module_tensors,
+    restore,
+    shapes,
+    side_effect,
+    sites,
+    unflatten,
+)
 from pyro_smc.tracing import param_sites
 
-__all__ = ["CompiledStep", "CompileFallbackWarning", "Replayed"]
+__all__ = ["CompiledStep", "CompileFallbackWarning", "Replayed", "Weighed"]
 
 logger = logging.getLogger("pyro_smc")
 
 
 class CompileFallbackWarning(UserWarning):
     """``SMC(compile=True)`` could not compile a step and ran the handler path instead."""
+
+
+class Weighed(NamedTuple):
+    """The reweighting and summary a replayed step recorded with the program (what
+    :func:`~pyro_smc.infer.smc.step.weigh` and :func:`~pyro_smc.infer.smc.step.summarise` make).
+
+    Attributes:
+        log_weights: ``(B, N)`` the new normalised log-weights.
+        increment: ``(B,)`` the step's ``log p_hat(y_t | y_{1:t-1})``.
+        means: ``{key: (B, *event)}`` the filtering means.
+        ess: ``(B,)`` the ESS after the reweighting.
+        need: bool ``(B,)`` the filters whose ESS is below the threshold.
+        flags: ``(need.any(), need.all())``, read from the device with the step's check.
+    """
+
+    log_weights: Tensor
+    increment: Tensor
+    means: dict[str, Tensor]
+    ess: Tensor
+    need: Tensor
+    flags: tuple[bool, bool]
 
 
 class Replayed(NamedTuple):
@@ -65,12 +108,15 @@ class Replayed(NamedTuple):
         terms: ``[(site, (particle shape))]`` as :func:`~pyro_smc.infer.smc.importance.log_weight_terms` returns them.
         score: the score-function terms, or ``None``.
         proposal: the traces, at the recorded step only (its checks need them); ``None`` after.
+        weighed: the step's reweighting and summary, at a replayed step only; ``None`` at the
+            recorded step (the handler path's phases weigh it).
     """
 
     state: dict[str, Tensor]
     terms: list[tuple[str, Tensor]]
     score: Tensor | None
     proposal: Proposal | None = None
+    weighed: Weighed | None = None
 
 
 class CompiledStep:
@@ -94,7 +140,9 @@ class CompiledStep:
         self.reset()
 
     def reset(self) -> None:
-        """Forgets the recording: a new run records its own (the program may have changed)."""
+        """Starts a run. An earlier run's recording of the same model and guide is reused if the
+        program looks the same (:func:`constants`), after it is verified again at this run's
+        first regular step (the model may have changed since)."""
         self.reason: str | None = "compile=False" if self.mode is False else None
         self.compiled_steps = 0
         self._recording: _Recording | None = None
@@ -114,34 +162,57 @@ class CompiledStep:
         if self.mode is True:
             warnings.warn(CompileFallbackWarning(f"SMC(compile=True) runs on Pyro's handlers: {reason}"), stacklevel=5)
 
-    def eligible(self, store_history: bool, inputs: StepInputs, score_function: bool) -> bool:
-        """Whether this step may run compiled (a run-wide reason gives up at once)."""
+    def eligible(self, store_history: bool, inputs: StepInputs, marginal: bool) -> bool:
+        """Whether this step may run compiled (a run-wide reason gives up at once); ``marginal``:
+        the marginal stop-gradient estimator, whose terms need the previous step's particles."""
         if not self.enabled:
             return False
         if store_history:
             self.give_up("store_history=True keeps each step's distributions for the smoother")
             return False
-        if score_function:
-            # The score terms' checks read tensors as Python values: not recordable as they stand.
-            self.give_up("the stop-gradient estimators are not compiled yet")
+        if marginal:
+            self.give_up("the marginal stop-gradient estimator is not compiled (its terms pair each particle with every parent)")
             return False
         return inputs.t is not None and not inputs.predict_only and inputs.observed is None and inputs.active is None
 
-    def run(self, program: StepProgram, state: SMCState, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, detach: bool, score: bool) -> Replayed | None:
-        """Records or replays the step; ``None``: the caller runs it on the handler path (and
-        passes what it made to :meth:`observe`)."""
-        tensors, signature = _flatten(state, inputs, (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn)))
+    def run(
+        self,
+        program: StepProgram,
+        state: SMCState,
+        log_weights: Tensor | None,
+        threshold: float,
+        model_fn: Callable,
+        guide_fn: Callable | None,
+        inputs: StepInputs,
+        detach: bool,
+        score: bool,
+    ) -> Replayed | None:
+        """Records or replays the step from the previous ``log_weights`` ``(B, N)``, resampling
+        below an ESS of ``threshold``; ``None``: the caller runs it on the handler path (and passes
+        what it made to :meth:`observe`)."""
+        # The weights' requires_grad is left out: it flips with resampling, and a recording
+        # serves both (the executor's autograd follows its inputs).
+        weights = None if log_weights is None else (log_weights.shape, log_weights.dtype)
+        tensors, signature = flatten(state, inputs, (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn), threshold, weights))
         if signature is None:
             return None
+        tensors += (log_weights,)
+        if self._recording is None and (log_weights is not None or self._params is None):
+            # An earlier run's recording: verified at this step if the program looks the same.
+            earlier = _kept(program)
+            if earlier is not None and earlier.signature == signature and earlier.constants == constants(program):
+                self._recording, self._params, self._before = earlier, earlier.params, attribute_snapshot(program)
         if self._params is None:
             # The first regular step runs on the handlers; observe() reads what it changed.
-            self._before = _attribute_snapshot(program)
+            self._before = attribute_snapshot(program)
             return None
         recording = self._recording
+        if log_weights is None:
+            return None  # nothing weighed yet: the recording weighs from the previous weights
         if recording is None:
-            return self._record(program, state, model_fn, guide_fn, inputs, detach, score, tensors, signature)
-        extra = _module_tensors(program)
-        if recording.signature != signature or len(extra) != recording.extra:
+            return self._record(program, state, model_fn, guide_fn, inputs, detach, score, threshold, tensors, signature)
+        extra = module_tensors(program)
+        if recording.signature != signature or shapes(extra) != recording.extra:
             return None
         if not self._verified:
             rng = rng_state()
@@ -160,73 +231,91 @@ class CompiledStep:
             self._params = tuple(dict.fromkeys(names))
             # A step that changes the program's attributes is given up on before any recording
             # runs it a second time.
-            problem = _side_effect(self._before, program) if self._before is not None else None
+            problem = side_effect(self._before, program) if self._before is not None else None
             if problem is not None:
                 self.give_up(problem)
             return
         if self._pending is None:
             return
         replayed, self._pending = self._pending, None
-        problem = _disagreement(self._recording, replayed, _sites(proposal), dict(state), terms)
-        if problem is not None:
+        changed = side_effect(self._before, program) if self._before is not None else None
+        problem = changed or disagreement(self._recording.sites, replayed, sites(proposal), dict(state), terms)
+        if problem is not None and self._recording.runs > 0:
+            # An earlier run's recording no longer fits (a constant the program reads changed):
+            # this run records afresh, from its next regular step.
+            _keep(program, None)
+            self._recording, self._params = None, None
+        elif problem is not None:
             self.give_up(f"the step is not static: {problem}")
         else:
             self._verified = True
+            self._recording = self._recording._replace(runs=self._recording.runs + 1)
+            _keep(program, self._recording)
 
     # --- record, replay ----------------------------------------------------------------------------
-    def _record(self, program, state, model_fn, guide_fn, inputs, detach, score, tensors, signature) -> Replayed | None:
-        before = _attribute_snapshot(program)
+    def _record(self, program, state, model_fn, guide_fn, inputs, detach, score, threshold, tensors, signature) -> Replayed | None:
+        before = attribute_snapshot(program)
         keys = tuple(state)
         store = dict(pyro.get_param_store().named_parameters())
         params = tuple(name for name in self._params if name in store)
-        extra = _module_tensors(program)
+        extra = module_tensors(program)
         captured: dict[str, Any] = {}
 
         def step_function(*values):
-            return _run_step(program, keys, values[: len(tensors)], inputs, model_fn, guide_fn, detach, score, captured)
+            return _run_step(program, keys, values[: len(tensors)], inputs, model_fn, guide_fn, detach, score, threshold, captured)
 
         rng = rng_state()
         try:
             function, problem = _trace(step_function, tensors + extra + tuple(store[name] for name in params))
         except Exception as error:  # noqa: BLE001 - whatever stops the recording means: do not compile
             function, problem = None, f"the step could not be traced ({type(error).__name__}: {_first_line(error)})"
-        if problem is None and not _clean(captured["state"], captured["terms"]):
+        if problem is None and not clean(captured["state"], captured["terms"]):
             # Recorded without validation: a NaN here is rerun on the handler path, which reports it.
             set_rng_state(rng)
             return None
         if problem is None:
-            problem = _side_effect(before, program)
+            problem = side_effect(before, program)
         if problem is not None:
             # Rewound: the handler path takes this step as if nothing had been tried.
             set_rng_state(rng)
-            _restore(before, program)
+            restore(before, program)
             self.give_up(problem)
             return None
         new, terms, score_value = captured["state"], captured["terms"], captured["score"]
         names = tuple(name for name, _ in terms)
-        self._recording = _Recording(function, signature, tuple(new), names, score_value is not None, params, len(extra), _sites(captured["proposal"]))
+        recorded = sites(captured["proposal"])
+        self._recording = _Recording(function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, constants(program))
         state.replace(new)
         return Replayed(dict(new), terms, score_value, captured["proposal"])
 
     def _replay(self, recording: _Recording, state: SMCState, tensors: tuple) -> Replayed | None:
         rng = rng_state()
-        new, terms, score_value = self._call(recording, tensors)
-        if not _clean(new, terms):
+        replayed, status = self._call(recording, tensors)
+        # The step's one device read: its check and which filters resample.
+        total, *need = status.tolist()
+        if not math.isfinite(total):
             # Rewound and rerun with Pyro's validation: the handler path names what went wrong.
             set_rng_state(rng)
             return None
-        state.replace(new)
+        state.replace(replayed.state)
         self.compiled_steps += 1
-        return Replayed(new, terms, score_value)
+        resampling = sum(need)
+        return replayed._replace(weighed=replayed.weighed._replace(flags=(resampling > 0, resampling == len(need))))
 
-    def _call(self, recording: _Recording, tensors: tuple) -> tuple[dict[str, Tensor], list[tuple[str, Tensor]], Tensor | None]:
+    def _call(self, recording: _Recording, tensors: tuple) -> tuple[Replayed, Tensor]:
         """Calls the recording on ``tensors`` (the step's, then the model's and guide's own) and
-        the parameters read now from the param store."""
+        the parameters read now from the param store; returns what it made and its status
+        (:func:`_run_step`)."""
         store = dict(pyro.get_param_store().named_parameters())
-        out = recording.function(*tensors, *(store[name] for name in recording.params))
-        out = out if isinstance(out, tuple) else (out,)
-        k, m = len(recording.out_keys), len(recording.term_names)
-        return dict(zip(recording.out_keys, out[:k])), list(zip(recording.term_names, out[k : k + m])), (out[k + m] if recording.has_score else None)
+        with torch.jit.optimized_execution(False):
+            out = iter(recording.function(*tensors, *(store[name] for name in recording.params)))
+        new = {key: next(out) for key in recording.out_keys}
+        terms = [(name, next(out)) for name in recording.term_names]
+        score_value = next(out) if recording.has_score else None
+        log_weights, increment, ess, need = next(out), next(out), next(out), next(out)
+        means = {key: next(out) for key in recording.out_keys}
+        weighed = Weighed(log_weights, increment, means, ess, need, (True, True))
+        return Replayed(new, terms, score_value, weighed=weighed), next(out)
 
 
 class _Recording(NamedTuple):
@@ -238,23 +327,72 @@ class _Recording(NamedTuple):
     term_names: tuple[str, ...]
     has_score: bool
     params: tuple[str, ...]
-    extra: int
+    extra: tuple
     sites: tuple
+    constants: tuple
+    runs: int = 0  # the runs that verified it before this one
 
 
-def _run_step(program, keys, values, inputs, model_fn, guide_fn, detach, score, captured) -> tuple[Tensor, ...]:
-    """The step as a tensor function: the particles and tensor arguments in, the new particles,
-    the log-weight terms and the score terms out (what :func:`torch.jit.trace` records)."""
+# Verified recordings by model (and guide), so that a new SMC of the same program (SMCELBO builds
+# one per SVI step) reuses one; weak, so a recording goes with its model.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kept(program: StepProgram) -> _Recording | None:
+    """The recording :func:`_keep` kept for ``program``'s model and guide, or ``None``."""
+    try:
+        guide, recording = _KEPT.get(program.model, (None, None))
+    except TypeError:  # a model that takes no weak reference is not kept
+        return None
+    return recording if recording is not None and guide() is program.guide else None
+
+
+def _keep(program: StepProgram, recording: _Recording | None) -> None:
+    """Keeps ``recording`` (``None``: forgets) for later runs of ``program``'s model and guide."""
+    try:
+        guide = (lambda: None) if program.guide is None else weakref.ref(program.guide)
+        if recording is None:
+            _KEPT.pop(program.model, None)
+        else:
+            _KEPT[program.model] = (guide, recording)
+    except TypeError:
+        pass
+
+
+def _run_step(program, keys, values, inputs, model_fn, guide_fn, detach, score, threshold, captured) -> tuple[Tensor, ...]:
+    """The step as a tensor function (what :func:`torch.jit.trace` records).
+
+    In: the particles, the tensor arguments and the previous log-weights. Out, in this order:
+    the new particles, the log-weight terms, the score terms (if any), then the reweighting and
+    summary of :class:`Weighed` (log-weights, increment, ESS, need, means) and a status ``(1 + B,)``:
+    the sum of the normalisers and means (not finite: the step failed), then ``need`` as 0/1.
+    """
     state = SMCState()
     state.replace(dict(zip(keys, values[: len(keys)])))
-    args, kwargs = _unflatten(inputs, values[len(keys) :])
+    args, kwargs = unflatten(inputs, values[len(keys) : -1])
+    log_weights = values[-1]
     step_inputs = inputs._replace(args=args, kwargs=kwargs)
     layout = program.layout
     proposal = program.propose(state, model_fn, guide_fn, step_inputs, detach=detach)
     terms = log_weight_terms(proposal.model_trace, proposal.guide_trace, layout)
     score_value = score_terms(proposal.model_trace, proposal.guide_trace, layout) if score else None
     captured.update(state=dict(state), terms=terms, score=score_value, proposal=proposal)
-    return tuple(state.values()) + tuple(term for _, term in terms) + (() if score_value is None else (score_value,))
+    # weigh() and summarise() without their checks, which read the device; the status carries
+    # them out instead, and a failed step is rerun on the handler path, which raises.
+    increment, offset = centred_increment(terms, layout)
+    if score_value is not None:
+        increment = increment + score_value
+    joint = log_weights + increment
+    log_norm = torch.logsumexp(joint, dim=-1)
+    new_log_weights = joint - log_norm.unsqueeze(-1)
+    means, ess = moments(state, new_log_weights, layout)
+    need = ess < threshold
+    # One number is finite exactly when every normaliser and mean is, unless finite ones
+    # overflow in the sum; that case is rerun on the handler path, which decides.
+    total = sum((mean.sum() for mean in means.values()), log_norm.sum())
+    status = torch.cat([total.reshape(1), need.to(total.dtype)])
+    head = tuple(state.values()) + tuple(term for _, term in terms) + (() if score_value is None else (score_value,))
+    return head + (new_log_weights, log_norm + offset, ess, need) + tuple(means.values()) + (status,)
 
 
 def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None]:
@@ -273,128 +411,9 @@ def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None
     return function, None
 
 
-def _flatten(state: SMCState, inputs: StepInputs, settings: tuple) -> tuple[tuple[Tensor, ...], tuple | None]:
-    """The step's tensors (the particles, then the tensor arguments) and what a recording must
-    match: their shapes and dtypes, the other arguments' values, and ``settings``."""
-    tensors, shape = [], []
-    for key, value in state.items():
-        if not isinstance(value, Tensor):
-            return (), None
-        tensors.append(value)
-        shape.append((key, value.shape, value.dtype, value.device, value.requires_grad))
-    others = []
-    for position, value in list(enumerate(inputs.args)) + sorted(inputs.kwargs.items()):
-        if isinstance(value, Tensor):
-            tensors.append(value)
-            shape.append((position, value.shape, value.dtype, value.device, value.requires_grad))
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            others.append((position, value))
-        else:
-            return (), None  # an argument whose equality a recording cannot check
-    return tuple(tensors), (tuple(shape), tuple(others), settings)
-
-
-def _unflatten(inputs: StepInputs, tensors: tuple) -> tuple[tuple, dict]:
-    """``inputs``' arguments with their tensors replaced, in :func:`_flatten`'s order."""
-    it = iter(tensors)
-    args = tuple(next(it) if isinstance(value, Tensor) else value for value in inputs.args)
-    kwargs = {key: next(it) if isinstance(value, Tensor) else value for key, value in sorted(inputs.kwargs.items())}
-    return args, kwargs
-
-
-def _module_tensors(program: StepProgram) -> tuple[Tensor, ...]:
-    """The model's and guide's own tensors, read afresh at every step: an ``nn.Module``'s
-    parameters and buffers, and any tensor attribute (``model.A = theta``, which may require
-    grad). Pyro sees only ``pyro.param``; the recording must take these as inputs too."""
-    seen: dict[int, Tensor] = {}
-    for owner in (program.model, program.guide):
-        if owner is None:
-            continue
-        found = [v for v in vars(owner).values() if isinstance(v, Tensor)]
-        if isinstance(owner, torch.nn.Module):
-            found += list(owner.parameters()) + list(owner.buffers())
-        for tensor in found:
-            seen.setdefault(id(tensor), tensor)
-    return tuple(seen.values())
-
-
-def _sites(proposal: Proposal) -> tuple:
-    """A trace's shape: each sample site's name, distribution type, value shape and observedness."""
-    traces = [proposal.model_trace] + ([] if proposal.guide_trace is None else [proposal.guide_trace])
-    return tuple(
-        (name, type(site["fn"]).__name__, tuple(site["value"].shape), site["is_observed"])
-        for trace in traces
-        for name, site in trace.nodes.items()
-        if site["type"] == "sample"
-    )
-
-
-def _disagreement(recording: _Recording, replayed: tuple, sites: tuple, state: dict, terms: list) -> str | None:
-    """What differs between a replayed step and the same step on the handler path, or ``None``."""
-    if sites != recording.sites:
-        return "its sample sites, their distributions or shapes changed between steps"
-    new, replayed_terms, _ = replayed
-    if tuple(state) != tuple(new) or [name for name, _ in terms] != [name for name, _ in replayed_terms]:
-        return "its state keys or scored sites changed between steps"
-    pairs = [(state[key], new[key], f"state['{key}']") for key in new] + [(a, b, f"site '{n}'") for (n, a), (_, b) in zip(terms, replayed_terms)]
-    for eager, replay, what in pairs:
-        if eager.shape != replay.shape or not torch.allclose(eager.detach(), replay.detach(), rtol=1e-5, atol=1e-6, equal_nan=True):
-            return f"the replayed {what} differs from the handler path's"
-    return None
-
-
-def _attribute_snapshot(program: StepProgram) -> tuple:
-    """The model's and guide's plain attributes and shallow copies of their list, dict and set
-    attributes (a step that changes one has a side effect a replay would skip)."""
-    owners = (program.model, program.guide)
-    return tuple(
-        (plain_attributes(owner), {k: v.copy() for k, v in vars(owner).items() if isinstance(v, (list, dict, set)) and not k.startswith("_")})
-        if owner is not None
-        else (None, {})
-        for owner in owners
-    )
-
-
-def _side_effect(before: tuple, program: StepProgram) -> str | None:
-    """What a step changed on the model or guide since :func:`_attribute_snapshot`, or ``None``."""
-    for name, owner, (attributes, containers) in zip(("model", "guide"), (program.model, program.guide), before):
-        if owner is None:
-            continue
-        now = plain_attributes(owner)
-        for key in set(attributes) | set(now):
-            a, b = attributes.get(key), now.get(key)
-            if a is not b and not (isinstance(a, (bool, int, float, str)) and a == b):
-                return f"the step changes the {name}'s attribute self.{key}; a replayed step would not"
-        if any(len(vars(owner).get(key, ())) != len(saved) for key, saved in containers.items()):
-            return f"the step adds to a list or dict attribute of the {name}; a replayed step would not"
-    return None
-
-
-def _restore(before: tuple, program: StepProgram) -> None:
-    """Puts :func:`_attribute_snapshot` back (the step is rerun on the handlers)."""
-    for owner, (attributes, containers) in zip((program.model, program.guide), before):
-        if owner is None:
-            continue
-        restore_attributes(owner, attributes)
-        for key, saved in containers.items():
-            value = vars(owner).get(key)
-            if isinstance(value, (list, dict, set)):
-                value.clear()
-                if isinstance(value, list):
-                    value.extend(saved)
-                else:
-                    value.update(saved)
-
-
-def _clean(state: dict[str, Tensor], terms: list[tuple[str, Tensor]]) -> bool:
-    """No NaN in the particles or the terms (a term may be ``-inf``: a particle of zero weight)."""
-    flags = [torch.isnan(value).any() for value in list(state.values()) + [term for _, term in terms] if value.is_floating_point()]
-    # One device read for the whole step, not one per tensor.
-    return not flags or not bool(torch.stack(flags).any())
-
-
 def _name(fn: Callable | None) -> str | None:
-    return None if fn is None else getattr(fn, "__qualname__", repr(fn))
+    # repr() only when needed: it is the step's cost when every step asks.
+    return None if fn is None else getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _first_line(message: Any) -> str:

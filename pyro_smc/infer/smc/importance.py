@@ -104,9 +104,9 @@ class ParticleLayout:
 
     def batched(self, term: Tensor) -> Tensor:
         """A per-particle term as ``(B, N)``."""
-        if term.shape != self.particle_shape:
-            term = term.expand(self.particle_shape)
-        return term.reshape(self.num_filters, self.num_particles)
+        # Unconditional (a view when the shape already matches): a shape comparison would be a
+        # Python branch on sizes, which the compiled step's recording must not contain.
+        return term.expand(self.particle_shape).reshape(self.num_filters, self.num_particles)
 
 
 def log_weight_terms(

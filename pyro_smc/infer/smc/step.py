@@ -38,11 +38,11 @@ from pyro_smc.infer.smc.importance import ParticleLayout, centred_increment, fai
 from pyro_smc.infer.smc.scores import add_scores
 from pyro_smc.infer.smc.state import ParticleWeights, SMCState
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
-from pyro_smc.ops.weights import all_finite, ess as ess_of
+from pyro_smc.ops.weights import all_finite, ess_of_weights
 from pyro_smc.resamplers import Resampled, Resampler, resample
 from pyro_smc.tracing import detach_latent_draws, module_context, replay_where
 
-__all__ = ["Proposal", "Resampling", "StepInputs", "StepProgram", "maybe_resample", "summarise", "weigh"]
+__all__ = ["Proposal", "Resampling", "StepInputs", "StepProgram", "maybe_resample", "moments", "summarise", "weigh"]
 
 
 class StepInputs(NamedTuple):
@@ -228,19 +228,7 @@ def summarise(state: SMCState, weights: ParticleWeights, layout: ParticleLayout,
     Raises:
         ValueError: a filtering mean is not finite (naming the step and the state key).
     """
-    log_w = weights.log_weights
-    # ESS of normalised weights lies in [1, N] (Cauchy-Schwarz); rounding in the normalisation
-    # may step past either end by an ulp, which a threshold comparison must not see.
-    ess = ess_of(log_w.detach()).clamp(1, layout.num_particles)
-    means: dict[str, Tensor] = {}
-    if inputs.t is None:
-        return means, ess
-    w = log_w.exp()
-    for key, value in state.items():
-        # Every key, labels included: the mean of a 0/1 label is its filtering probability.
-        value = layout.batched_particles(value)
-        flat = value.reshape(value.shape[:2] + (-1,))
-        means[key] = (w.unsqueeze(-2) @ flat.to(w.dtype)).squeeze(-2).reshape((layout.num_filters,) + value.shape[2:])
+    means, ess = moments(state, weights.log_weights, layout, with_means=inputs.t is not None)
     finite = [bool(torch.isfinite(mean).all()) for mean in means.values()] if means else [True]
     if not all(finite):
         bad = next(key for key, ok in zip(means, finite) if not ok)
@@ -248,6 +236,27 @@ def summarise(state: SMCState, weights: ParticleWeights, layout: ParticleLayout,
             f"at {inputs.where}: the filtering mean of state['{bad}'] is not finite: a particle's state holds NaN or inf "
             "(check the model's transition at that step)"
         )
+    return means, ess
+
+
+def moments(state: SMCState, log_weights: Tensor, layout: ParticleLayout, with_means: bool = True) -> tuple[dict[str, Tensor], Tensor]:
+    """The filtering means ``{key: (B, *event)}`` and the ESS ``(B,)`` of normalised log-weights
+    ``(B, N)``: tensor operations only (the compiled step records them; no check here)."""
+    w = log_weights.exp()
+    # ESS of normalised weights lies in [1, N] (Cauchy-Schwarz); rounding in the normalisation
+    # may step past either end by an ulp, which a threshold comparison must not see.
+    ess = ess_of_weights(w.detach()).clamp(1, layout.num_particles)
+    means: dict[str, Tensor] = {}
+    if not with_means:
+        return means, ess
+    for key, value in state.items():
+        # Every key, labels included: the mean of a 0/1 label is its filtering probability.
+        value = layout.batched_particles(value).to(w.dtype)
+        if value.dim() == 2:
+            means[key] = (w * value).sum(-1)  # two kernels, where a (1, N) @ (N, 1) product is several
+        else:
+            flat = value.reshape(value.shape[:2] + (-1,))
+            means[key] = (w.unsqueeze(-2) @ flat).squeeze(-2).reshape((layout.num_filters,) + value.shape[2:])
     return means, ess
 
 
@@ -273,8 +282,11 @@ def maybe_resample(
     discrete_keys: set[str],
     layout: ParticleLayout,
     where: str,
+    flags: tuple[bool, bool] | None = None,
 ) -> tuple[ParticleWeights, Resampling | None]:
     """Resamples the filters ``need`` ``(B,)``, writing their new particles into ``state``.
+
+    ``flags``, when given, is ``(need.any(), need.all())`` already read from the device.
 
     A float-coded label (``dist.Bernoulli``'s 0./1.) in ``discrete_keys`` travels as an integer
     tensor, which every resampler copies from one ancestor instead of averaging.
@@ -283,14 +295,17 @@ def maybe_resample(
         The new weights and the :class:`Resampling`, or the same weights and ``None`` when no
         filter needs it (or the state is empty).
     """
-    if not state or not bool(need.any()):
+    any_need, all_need = flags if flags is not None else (bool(need.any()), None)
+    if not state or not any_need:
         return weights, None
+    if all_need is None:
+        all_need = bool(need.all())
     particles = {key: layout.batched_particles(value) for key, value in state.items()}
     labels = {key: particles[key].dtype for key in discrete_keys if key in particles and particles[key].is_floating_point()}
     for key in labels:
         particles[key] = particles[key].long()
     log_w = weights.log_weights
-    if bool(need.all()):
+    if all_need:
         out = _call_resampler(resampler, particles, log_w, where)
         new, new_log_w = out.particles, out.log_weights
     else:

@@ -198,11 +198,23 @@ def test_missing_steps_and_batches_run_on_the_handler_path_between_replays():
     _assert_same(runs[1], runs[0])
 
 
-@pytest.mark.parametrize("gradient", ["stop_gradient", "marginal_stop_gradient"])
-def test_stop_gradient_estimators_run_on_the_handler_path(gradient):
-    plain, g_plain = _run(False, num_particles=30, resampler=SystematicResampler(gradient=gradient))
-    fast, g_fast = _run(None, num_particles=30, resampler=SystematicResampler(gradient=gradient))
-    assert "stop-gradient" in fast._compiled.reason
+@pytest.mark.parametrize(
+    "gradient, with_guide", [("stop_gradient", False), ("stop_gradient", True), ("marginal_stop_gradient", False)], ids=["sg", "sg-guide", "marginal"]
+)
+def test_stop_gradient_estimators(gradient, with_guide):
+    """The stop-gradient estimator's score terms are recorded with the step (the same gradients,
+    of the model's and the guide's parameters); the marginal one (bootstrap only) runs on the
+    handler path."""
+    runs = []
+    for compile in (False, None):
+        runs.append(_run(compile, guide=Proposal() if with_guide else None, num_particles=30, num_filters=2,
+                         resampler=SystematicResampler(gradient=gradient)))
+    (plain, g_plain), (fast, g_fast) = runs
+    if gradient == "stop_gradient":
+        assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
+    else:
+        assert "marginal stop-gradient" in fast.compile_status
+    assert any(g is not None and bool(g.abs().sum() > 0) for g in g_plain)  # theta's, at least
     _assert_same(fast, plain, g_fast, g_plain)
 
 
@@ -227,3 +239,62 @@ def test_a_failing_replayed_step_reports_as_the_handler_path_does():
             SMC(Exploding(), num_particles=20, compile=compile).run(ys)
         errors.append((type(info.value), str(info.value)))
     assert errors[0] == errors[1]
+
+
+def test_a_later_run_of_the_same_model_reuses_its_recording():
+    """SMCELBO builds an SMC per SVI step: the recording stays with the model and guide, is
+    verified again at the next run's first regular step and replays from its second."""
+    model, guide = AR(), Proposal()
+    runs = []
+    for compile in (None, None, False):
+        torch.manual_seed(5)
+        runs.append(SMC(model, guide, num_particles=40, num_filters=2, compile=compile).run(_data()))
+    first, second, plain = runs
+    # Step 0 of the second run is not like the recorded one (its particles, drawn from the
+    # prior, need no grad yet); step 1 is verified, and the rest replayed.
+    assert first._compiled.compiled_steps == T - 3 and second._compiled.compiled_steps == T - 2
+    _assert_same(second, plain)
+    # Another guide is another program: recorded afresh.
+    torch.manual_seed(5)
+    other = SMC(model, Proposal(), num_particles=40, num_filters=2).run(_data())
+    assert other._compiled.compiled_steps == T - 3
+
+
+NOISE = 0.5
+
+
+class ScaledAR(AR):
+    """The emission scale a float attribute (baked into a recording as a constant), the
+    transition's a module global (which no attribute shows)."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def step(self, state, y):
+        state["x"] = pyro.sample("x", dist.Normal(self.theta * state["x"], NOISE))
+        pyro.sample("y", dist.Normal(state["x"], self.scale), obs=y)
+
+
+def test_a_changed_constant_between_runs_is_recorded_afresh(monkeypatch):
+    model = ScaledAR(0.5)
+    SMC(model, num_particles=30).run(_data())
+
+    def both():
+        out = []
+        for compile in (None, False):
+            torch.manual_seed(6)
+            out.append(SMC(model, num_particles=30, compile=compile).run(_data()))
+        return out
+
+    model.scale = 0.8  # seen among the model's attributes: recorded afresh at once
+    fast, plain = both()
+    assert fast._compiled.compiled_steps == T - 3
+    _assert_same(fast, plain)
+    # Seen by no attribute: the next run's verifying step finds the replay wrong, and records afresh.
+    monkeypatch.setitem(globals(), "NOISE", 1.5)
+    fast, plain = both()
+    # Step 0 on the handlers (its particles need no grad yet), step 1 verified and found wrong,
+    # then as a first run: step 2 on the handlers, 3 recorded, 4 verified, the rest replayed.
+    assert fast.compile_status is None and fast._compiled.compiled_steps == T - 5
+    _assert_same(fast, plain)
