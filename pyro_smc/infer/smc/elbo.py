@@ -73,6 +73,9 @@ class SMCELBO(ELBO):
         max_plate_nesting: plates used by the model inside a step.
         num_sequences: ``D``, the number of sequences in the data set that the minibatches are
             drawn from; the loss is multiplied by ``D`` (above). ``None``: the minibatch mean.
+        compile: as for :class:`~pyro_smc.SMC` (``None``: replay a recorded step when safe;
+            ``False``: always Pyro's handlers). The recording is kept with the model and guide,
+            so an SVI loop records once (``docs/engines/smc.md#the-compiled-step``).
 
     The loss methods take ``(model, guide, observations, *args, lengths=None, batched=False,
     **kwargs)``: ``observations`` ``(T, ...)``, or ``(B, T, ...)`` with ``batched=True`` (any
@@ -114,6 +117,7 @@ class SMCELBO(ELBO):
         ess_threshold: float = 0.5,
         max_plate_nesting: int = 0,
         num_sequences: int | None = None,
+        compile: bool | None = None,
     ):
         super().__init__(num_particles=1, max_plate_nesting=max_plate_nesting)
         if num_sequences is not None and (isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < 1):
@@ -125,6 +129,7 @@ class SMCELBO(ELBO):
         self.num_filters = num_filters
         self.ess_threshold = ess_threshold
         self.num_sequences = num_sequences
+        self.compile = compile
         self.smc: SMC | None = None  # the last run, for diagnostics
         self._warned_degeneracy = False
 
@@ -150,6 +155,7 @@ class SMCELBO(ELBO):
             ess_threshold=self.ess_threshold,
             num_filters=num_filters,
             max_plate_nesting=self.max_plate_nesting,
+            compile=self.compile,
         )
         # Collapsed weights are reported once per loss object, not at every SVI step (the counts
         # in the message would defeat Python's once-per-location filter).
