@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyro_smc.ops.weights import ess, log_mean_exp, normalize
+from pyro_smc.ops.weights import ess, ess_of_weights, log_mean_exp, normalize
 from tests.cases import DTYPE_IDS, DTYPES, ulp
 from tests.property_cases import BATCH, BUG, F64, FLOAT_DTYPES, PROPERTY, SEEDS, eps, gen
 
@@ -133,3 +133,17 @@ def test_normalize_rejects_nan_and_plus_inf_weights(n, dtype, seed, bad):
     lw[1, int(torch.randint(n, (), generator=gen(seed)))] = bad
     with pytest.raises(ValueError, match="log_weights"):
         normalize(lw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_ess_of_weights_is_ess_of_their_logs(dtype):
+    """Against the definition 1 / sum w_i^2 on normalised weights, and equal to ess() bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    log_w = torch.randn(4, 50, generator=g, dtype=torch.float64).to(dtype)
+    log_w = log_w - torch.logsumexp(log_w, -1, keepdim=True)
+    w = log_w.exp()
+    assert torch.equal(ess_of_weights(w), ess(log_w))
+    exact = 1 / log_w.double().exp().square().sum(-1)
+    assert torch.allclose(ess_of_weights(w).double(), exact, rtol=50 * torch.finfo(dtype).eps)
+    # Unchanged by a common factor (unnormalised weights).
+    assert torch.allclose(ess_of_weights(7.5 * w), ess_of_weights(w), rtol=10 * torch.finfo(dtype).eps)

@@ -298,3 +298,25 @@ def test_a_changed_constant_between_runs_is_recorded_afresh(monkeypatch):
     # then as a first run: step 2 on the handlers, 3 recorded, 4 verified, the rest replayed.
     assert fast.compile_status is None and fast._compiled.compiled_steps == T - 5
     _assert_same(fast, plain)
+
+
+class Huge(AR):
+    """Two state entries near the float64 maximum: each filtering mean is finite, their sum is not."""
+
+    def step(self, state, y):
+        super().step(state, y)
+        state["big"] = torch.full_like(state["x"], 1e308)
+        state["bigger"] = torch.full_like(state["x"], 1.5e308)
+
+
+def test_a_status_that_overflows_is_rerun_on_the_handler_path():
+    """The replayed step's one-number check is a sum; finite means that overflow it send the step
+    to the handler path, which finds nothing wrong: the same answer, the step just not replayed."""
+    runs = []
+    for compile in (False, None):
+        torch.manual_seed(2)
+        runs.append(SMC(Huge(), num_particles=20, compile=compile).run(_data()))
+    plain, fast = runs
+    assert fast.compile_status is None and fast._compiled.compiled_steps == 0
+    assert bool(torch.isfinite(fast.filtering_means["big"]).all())
+    _assert_same(fast, plain)
