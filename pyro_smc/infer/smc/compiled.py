@@ -239,7 +239,7 @@ class CompiledStep:
             return
         replayed, self._pending = self._pending, None
         changed = side_effect(self._before, program) if self._before is not None else None
-        problem = changed or disagreement(self._recording.sites, replayed, sites(proposal), dict(state), terms)
+        problem = changed or disagreement(self._recording.sites, replayed[0].state, replayed[0].terms, sites(proposal), dict(state), terms)
         if problem is not None and self._recording.runs > 0:
             # An earlier run's recording no longer fits (a constant the program reads changed):
             # this run records afresh, from its next regular step.
@@ -290,23 +290,22 @@ class CompiledStep:
 
     def _replay(self, recording: _Recording, state: SMCState, tensors: tuple) -> Replayed | None:
         rng = rng_state()
-        replayed, status = self._call(recording, tensors)
-        # The step's one device read: its check and which filters resample.
-        total, *need = status.tolist()
+        replayed, total = self._call(recording, tensors)
         if not math.isfinite(total):
             # Rewound and rerun with Pyro's validation: the handler path names what went wrong.
             set_rng_state(rng)
             return None
         state.replace(replayed.state)
         self.compiled_steps += 1
-        resampling = sum(need)
-        return replayed._replace(weighed=replayed.weighed._replace(flags=(resampling > 0, resampling == len(need))))
+        return replayed
 
-    def _call(self, recording: _Recording, tensors: tuple) -> tuple[Replayed, Tensor]:
+    def _call(self, recording: _Recording, tensors: tuple) -> tuple[Replayed, float]:
         """Calls the recording on ``tensors`` (the step's, then the model's and guide's own) and
-        the parameters read now from the param store; returns what it made and its status
-        (:func:`_run_step`)."""
+        the parameters read now from the param store; returns what it made and the status's
+        check value (not finite: the step failed; :func:`_run_step`)."""
         store = dict(pyro.get_param_store().named_parameters())
+        # The plain interpreter: the optimising executor's profiling runs and guards measured
+        # no faster on these small graphs (docs/benchmarks.md, the compiled step).
         with torch.jit.optimized_execution(False):
             out = iter(recording.function(*tensors, *(store[name] for name in recording.params)))
         new = {key: next(out) for key in recording.out_keys}
@@ -314,8 +313,11 @@ class CompiledStep:
         score_value = next(out) if recording.has_score else None
         log_weights, increment, ess, need = next(out), next(out), next(out), next(out)
         means = {key: next(out) for key in recording.out_keys}
-        weighed = Weighed(log_weights, increment, means, ess, need, (True, True))
-        return Replayed(new, terms, score_value, weighed=weighed), next(out)
+        # The step's one device read: its check and which filters resample.
+        total, *flags = next(out).tolist()
+        resampling = sum(flags)
+        weighed = Weighed(log_weights, increment, means, ess, need, (resampling > 0, resampling == len(flags)))
+        return Replayed(new, terms, score_value, weighed=weighed), total
 
 
 class _Recording(NamedTuple):

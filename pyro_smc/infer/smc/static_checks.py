@@ -98,11 +98,11 @@ def sites(proposal: Proposal) -> tuple:
     )
 
 
-def disagreement(recorded: tuple, replayed: tuple, sites: tuple, state: dict, terms: list) -> str | None:
-    """What differs between a replayed step and the same step on the handler path, or ``None``."""
+def disagreement(recorded: tuple, new: dict, replayed_terms: list, sites: tuple, state: dict, terms: list) -> str | None:
+    """What differs between a replayed step (its particles ``new`` and terms, the recording's
+    ``recorded`` sites) and the same step on the handler path, or ``None``."""
     if sites != recorded:
         return "its sample sites, their distributions or shapes changed between steps"
-    new, replayed_terms = replayed[0].state, replayed[0].terms
     if tuple(state) != tuple(new) or [name for name, _ in terms] != [name for name, _ in replayed_terms]:
         return "its state keys or scored sites changed between steps"
     pairs = [(state[key], new[key], f"state['{key}']") for key in new] + [(a, b, f"site '{n}'") for (n, a), (_, b) in zip(terms, replayed_terms)]
