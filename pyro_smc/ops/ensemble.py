@@ -70,7 +70,7 @@ def _normalised_cost(x: Tensor) -> tuple[Tensor, Tensor]:
     else:
         scale2 = x.new_zeros(x.shape[:-2])
     scale2 = torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
-    return squared_distances(x, x) / scale2[..., None, None], scale2
+    return squared_distances(x, x).div_(scale2[..., None, None]), scale2
 
 
 def _scale_gradient(x: Tensor, grad_scale2: Tensor) -> Tensor:
@@ -95,7 +95,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
 
     @staticmethod
     @flushing
-    def forward(ctx, x, log_b, settings):
+    def forward(ctx, x, log_b, settings, want_plan):
         n = x.shape[-2]
         epsilon = settings.epsilon
         with torch.no_grad():
@@ -113,7 +113,9 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             moved = thin_matmul(kernel, torch.cat([sqrt_b.unsqueeze(-1) * x, sqrt_b.unsqueeze(-1)], -1))
             x_new = moved[..., :-1] / moved[..., -1:]
             rows = sqrt_a * moved[..., -1:]  # row sums of P
-            plan = kernel * (sqrt_a * sqrt_b).unsqueeze(-2)
+            # An (N, N) product the caller may not need (OTResampler reads it only for
+            # particles it cannot average); an empty tensor stands in for it then.
+            plan = kernel * (sqrt_a * sqrt_b).unsqueeze(-2) if want_plan else x.new_empty(0)
         ctx.save_for_backward(x, kernel, sqrt_b, rows, x_new, scale2)
         ctx.sqrt_a = sqrt_a
         ctx.epsilon = epsilon
@@ -130,7 +132,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         x, kernel, sqrt_b, rows, x_new, scale2 = ctx.saved_tensors
         sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
         if grad_x_new is None:
-            return None, None, None
+            return None, None, None, None
         # x_new_i = sum_j P_ij x_j / r_i, so d loss / d log P_ij = P_ij (G_i . x_j - c_i) with
         # G_i = grad_i / r_i and c_i = G_i . x_new_i.
         gs = grad_x_new / rows
@@ -166,7 +168,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         spread = (sums.squeeze(-1) * x.square().sum(-1) - 2 * (x * h_x[..., :-1]).sum(-1)).sum(-1)
         grad_x = grad_x + _scale_gradient(x, -spread / scale2.square())
         grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g  # through x_j in P x
-        return grad_x, grad_log_b, None
+        return grad_x, grad_log_b, None, None
 
 
 class EnsembleResult(NamedTuple):
@@ -174,7 +176,8 @@ class EnsembleResult(NamedTuple):
 
     Attributes:
         x_new: transported particles ``(..., N, D)``.
-        plan: the plan ``(..., N, N)``, rows summing to ``1/N`` and columns to the weights.
+        plan: the plan ``(..., N, N)``, rows summing to ``1/N`` and columns to the weights
+            (``None`` when :func:`ensemble_solve` was asked for no plan).
         solve: the :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` of the solve over the batch
             ``(...)``, all of it detached (potentials included).
 
@@ -188,11 +191,11 @@ class EnsembleResult(NamedTuple):
     """
 
     x_new: Tensor
-    plan: Tensor
+    plan: Tensor | None
     solve: SinkhornResult
 
 
-def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings) -> EnsembleResult:
+def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, plan: bool = True) -> EnsembleResult:
     r"""The differentiable ensemble transform under ``settings``, with the solve's diagnostics.
 
     Solves entropic OT from the uniform measure on the particles to the weighted one with the
@@ -204,6 +207,8 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings) -
         x: particles ``(..., N, D)``.
         log_weights: normalised log-weights ``(..., N)`` (``-inf`` allowed).
         settings: the Sinkhorn settings (:class:`~pyro_smc.ops.sinkhorn.SinkhornSettings`).
+        plan: whether to return the plan. With ``False`` the ``"implicit"`` and ``"last_step"``
+            modes skip one ``(..., N, N)`` product and allocation, and ``plan`` is ``None``.
 
     Returns:
         An :class:`EnsembleResult` ``(x_new, plan, solve)``. With ``gradient="implicit"`` the
@@ -226,13 +231,13 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings) -
     log_a = torch.full_like(log_weights, -math.log(n))
     check_equal_mass(log_a, log_weights)
     if settings.gradient in ("implicit", "last_step"):
-        x_new, plan, *result = _FusedEnsembleTransform.apply(x, log_weights, settings)
-        return EnsembleResult(x_new, plan, SinkhornResult(*result))
+        x_new, matrix, *result = _FusedEnsembleTransform.apply(x, log_weights, settings, plan)
+        return EnsembleResult(x_new, matrix if plan else None, SinkhornResult(*result))
     cost, _ = _normalised_cost(x)
     result = solve(cost, log_a, log_weights, settings)
-    plan = transport_plan(cost, log_a, log_weights, result.f, result.g, settings.epsilon)
-    x_new = (plan @ x) / plan.sum(-1, keepdim=True)
-    return EnsembleResult(x_new, plan, result._replace(f=result.f.detach(), g=result.g.detach()))
+    matrix = transport_plan(cost, log_a, log_weights, result.f, result.g, settings.epsilon)
+    x_new = (matrix @ x) / matrix.sum(-1, keepdim=True)
+    return EnsembleResult(x_new, matrix if plan else None, result._replace(f=result.f.detach(), g=result.g.detach()))
 
 
 def ensemble_transform(

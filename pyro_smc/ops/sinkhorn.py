@@ -147,8 +147,9 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
     xx = (x * x).sum(-1).unsqueeze(-1)
     yy = (y * y).sum(-1).unsqueeze(-2)
     if x.dim() == 3 and y.dim() == 3:
-        # One fused pass instead of three (about 3x faster for 32 x 100 x 100).
-        return torch.baddbmm(xx + yy, x, y.transpose(-1, -2), alpha=-2).clamp_min(0)
+        # One fused pass instead of three (about 3x faster for 32 x 100 x 100); clamped in place
+        # (see the note on allocations in pyro_smc.ops.sinkhorn_kernel).
+        return torch.baddbmm(xx + yy, x, y.transpose(-1, -2), alpha=-2).clamp_min_(0)
     return (xx + yy - 2 * x @ y.transpose(-1, -2)).clamp_min(0)
 
 

@@ -10,6 +10,13 @@ the fused ensemble transform (:mod:`pyro_smc.ops.ensemble`) share:
 the batched products with ``K``, the exact log-domain c-transform, and the handling of points
 whose mass underflows to zero (treated as empty, their scalings pinned to 1).
 
+Allocations: every ``(B, N, M)`` temporary is built in place where autograd allows
+(``log_kernel(...).exp_()``, ``baddbmm(...).add_(...)``). A batch of kernels is above glibc's
+mmap threshold (1.3 MB at 32 x 100 x 100 float32); two such temporaries freed together let the
+allocator return the memory to the system, and the next allocation faults in every page again:
+``exp(cost * c)`` took 2.2 ms where ``(cost * c).exp_()`` took 0.45 ms (one thread, this
+project's 2-core benchmark machine).
+
 Example:
     >>> import math, torch
     >>> from pyro_smc.ops.sinkhorn_kernel import log_domain_update, rowsum
@@ -38,8 +45,10 @@ __all__: list[str] = []
 
 
 def log_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
-    """``(f_i + g_j - C_ij) / eps``, the log of the stabilised kernel."""
-    return (f.unsqueeze(-1) + g.unsqueeze(-2) - cost) / eps
+    """``(f_i + g_j - C_ij) / eps``, the log of the stabilised kernel (a fresh tensor, so callers
+    may finish it in place: ``log_kernel(...).exp_()``). ``f`` and ``g`` carry the batch shape of
+    ``cost``."""
+    return (f.unsqueeze(-1) + g.unsqueeze(-2)).sub_(cost).div_(eps)
 
 
 def rowsum(kernel: Tensor, v: Tensor) -> Tensor:
@@ -83,9 +92,11 @@ def pinned_reciprocal(sums: Tensor, pinned: Tensor | None) -> Tensor:
     a zero gradient into ``1 / 0``, and ``0 * inf`` made every unrolled gradient NaN as soon as
     one particle's weight underflowed.
     """
+    # torch.reciprocal, not ``1 / sums``: the reflected division is a reciprocal and a product
+    # (2.2 against 7.9 us at 32 x 100 on one thread, three times per iteration).
     if pinned is None:
-        return 1 / sums
-    return 1 / torch.where(pinned, torch.ones_like(sums), sums)
+        return torch.reciprocal(sums)
+    return torch.reciprocal(torch.where(pinned, torch.ones_like(sums), sums))
 
 
 def mask_kernel(kernel: Tensor, a_zero: Tensor | None, b_zero: Tensor | None) -> Tensor:
@@ -173,7 +184,7 @@ def log_domain_update(
         f = torch.where(a_zero, torch.zeros_like(f), f)
     if b_zero is not None:
         g = torch.where(b_zero, torch.zeros_like(g), g)
-    return f, g, mask_kernel(torch.exp(log_kernel(cost, f, g, eps)), a_zero, b_zero)
+    return f, g, mask_kernel(log_kernel(cost, f, g, eps).exp_(), a_zero, b_zero)
 
 
 def complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:

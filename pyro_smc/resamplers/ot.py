@@ -135,9 +135,9 @@ class OTResampler(Resampler):
             # P = (1/N) w^T, whose rows draw ancestors by the weights (multinomial resampling).
             index = schemes.multinomial(log_weights)
             return Resampled(gather(particles, index), torch.full_like(log_weights, -math.log(n)), index)
-        x_new, plan, solve = ensemble_solve(x, log_weights, self.settings)
-        out = unflatten_floats(x_new, floats)
         others = {k: v for k, v in particles.items() if k not in floats}
+        x_new, plan, solve = ensemble_solve(x, log_weights, self.settings, plan=bool(others))
+        out = unflatten_floats(x_new, floats)
         if others:
             out.update(gather(others, _ancestors_from_plan(plan.detach())))
         return Resampled(out, torch.full_like(log_weights, -math.log(n)), diagnostics=solve)

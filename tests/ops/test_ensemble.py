@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import pyro_smc.ops.sinkhorn_implicit as sk
-from pyro_smc.ops.ensemble import ensemble_transform
+from pyro_smc.ops.ensemble import ensemble_solve, ensemble_transform
+from pyro_smc.ops.sinkhorn import SinkhornSettings
 from tests.cases import DTYPE_IDS, DTYPES, EPSILONS, ot_threshold
 
 
@@ -68,6 +69,21 @@ def test_implicit_plan_carries_no_gradient_but_other_modes_do():
     assert not plan.requires_grad
     _, plan = ensemble_transform(x, log_w, 0.5, gradient="unroll")
     assert plan.requires_grad
+
+
+@pytest.mark.parametrize("gradient", ["implicit", "last_step", "unroll"])
+def test_a_solve_without_the_plan_moves_the_particles_and_their_gradients_alike(gradient):
+    # plan=False only skips the (N, N) output: same particles, same gradients, no plan.
+    x, log_w = _cloud(3, 10, seed=4, spread=2.0)
+    settings = SinkhornSettings(0.4, threshold=1e-8, max_iter=5000, gradient=gradient)
+    outs = []
+    for plan in (True, False):
+        xr, lr = x.clone().requires_grad_(), log_w.clone().requires_grad_()
+        out = ensemble_solve(xr, lr, settings, plan=plan)
+        assert (out.plan is None) == (not plan)
+        outs.append((out.x_new.detach(), *torch.autograd.grad(out.x_new.square().sum(), (xr, lr))))
+    for with_plan, without in zip(*outs):
+        assert torch.equal(with_plan, without)
 
 
 def test_implicit_gradient_with_zero_weights_is_finite():
