@@ -11,7 +11,7 @@ the batched products with ``K``, the exact log-domain c-transform, and the handl
 whose mass underflows to zero (treated as empty, their scalings pinned to 1).
 
 Allocations: every ``(B, N, M)`` temporary is built in place where autograd allows
-(``log_kernel(...).exp_()``, ``baddbmm(...).add_(...)``). A batch of kernels is above glibc's
+(``log_kernel(...).exp_()``, ``baddbmm(...).clamp_min_(0)``). A batch of kernels is above glibc's
 mmap threshold (1.3 MB at 32 x 100 x 100 float32); two such temporaries freed together let the
 allocator return the memory to the system, and the next allocation faults in every page again:
 ``exp(cost * c)`` took 2.2 ms where ``(cost * c).exp_()`` took 0.45 ms (one thread, this
