@@ -60,7 +60,7 @@ from torch import Tensor
 from pyro_smc.ops.gaussian import NotPositiveDefiniteError, symmetrize
 from pyro_smc.ops.kalman import mask_missing, masked_update, predict, smooth_step, update
 
-__all__ = ["AffineChainResult", "affine_chain_smoother", "associative_scan"]
+__all__ = ["AffineChainResult", "affine_chain_smoother", "associative_scan", "compose_backward_kernels"]
 
 Elems = tuple[Tensor, ...]
 
@@ -204,11 +204,44 @@ def _parallel(m0: Tensor, P0: Tensor, F: Tensor, c: Tensor, Q: Tensor, H: Tensor
         ll = masked_update(pm, pP, r, H, R, observed)[2]
     # Backward kernels: E^T = (P^-_{t+1})^{-1} F_t P_t by a Cholesky solve.
     E = torch.cholesky_solve(FP, torch.linalg.cholesky(pP[1:])).mT
-    kernels = torch.cat([E, (fm[:-1] - _mv(E, pm[1:])).unsqueeze(-1), symmetrize(fP[:-1] - E @ FP)], -1)
-    last = torch.cat([zero[0], fm[-1:].mT, fP[-1]], -1)[None]
-    (scanned,) = associative_scan(_smooth_combine, (torch.cat([kernels, last]),), reverse=True)
-    sm, sP = scanned[..., d], scanned[..., d + 1 :]
+    sm, sP = compose_backward_kernels(E, fm[:-1] - _mv(E, pm[1:]), symmetrize(fP[:-1] - E @ FP), fm[-1], fP[-1])
     return AffineChainResult(pm, pP, fm, fP, sm, sP, ll)
+
+
+def compose_backward_kernels(gains: Tensor, mean_offsets: Tensor, cov_offsets: Tensor, last_mean: Tensor, last_cov: Tensor) -> tuple[Tensor, Tensor]:
+    """The marginals of a chain given backward kernels and its last marginal, by one reverse scan.
+
+    With ``x_{T-1} ~ N(last_mean, last_cov)`` and ``x_t | x_{t+1} ~ N(E_t x_{t+1} + g_t, L_t)``,
+    the marginal of ``x_t`` is ``N(m_t, P_t)`` with ``m_t = E_t m_{t+1} + g_t`` and
+    ``P_t = E_t P_{t+1} E_t^T + L_t``: the backward pass of every RTS smoother, where
+    ``E_t = G_t`` is the gain, ``g_t = m^f_t - G_t m^-_{t+1}`` and
+    ``L_t = P^f_t - G_t P^-_{t+1} G_t^T``. Composed as affine maps in an associative scan of
+    depth ``O(log T)`` instead of ``T - 1`` small steps; every term of ``P_t`` is a congruence of
+    a positive semi-definite ``L``, so the sum loses nothing to cancellation.
+
+    Args:
+        gains: ``(T-1, d, d)``, ``E_t``.
+        mean_offsets: ``(T-1, d)``, ``g_t``.
+        cov_offsets: ``(T-1, d, d)``, ``L_t``.
+        last_mean: ``(d,)``.
+        last_cov: ``(d, d)``.
+
+    Returns:
+        ``(means (T, d), covariances (T, d, d))``, covariances symmetrised.
+
+    Example:
+        A scalar chain with ``E = 0.5``, ``g = 0``, ``L = 1`` back from ``N(2, 4)``:
+
+        >>> E, g, L = torch.full((2, 1, 1), 0.5), torch.zeros(2, 1), torch.ones(2, 1, 1)
+        >>> means, covs = compose_backward_kernels(E, g, L, torch.tensor([2.0]), torch.tensor([[4.0]]))
+        >>> means.squeeze(-1).tolist(), covs.flatten().tolist()   # m = m' / 2, P = P' / 4 + 1
+        ([0.5, 1.0, 2.0], [1.5, 2.0, 4.0])
+    """
+    d = last_mean.shape[-1]
+    kernels = torch.cat([gains, mean_offsets.unsqueeze(-1), cov_offsets], -1)
+    last = torch.cat([torch.zeros_like(last_cov), last_mean.unsqueeze(-1), last_cov], -1)
+    (scanned,) = associative_scan(_smooth_combine, (torch.cat([kernels, last[None]]),), reverse=True)
+    return scanned[..., d], scanned[..., d + 1 :]
 
 
 def _sequential(m0: Tensor, P0: Tensor, F: Tensor, c: Tensor, Q: Tensor, H: Tensor, r: Tensor, R: Tensor, observed: Tensor) -> AffineChainResult:

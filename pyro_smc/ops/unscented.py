@@ -55,9 +55,10 @@ def sigma_points(mean: Tensor, cov: Tensor, alpha: float = 1.0, beta: float = 0.
 
 
 @functools.lru_cache(maxsize=128)
-def _weights(d: int, alpha: float, beta: float, kappa: float | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, float]:
-    # The weights and the spread sqrt(d + lambda), built once per setting: constants that callers
-    # only read (created outside inference mode, so that autograd may save them).
+def _weights(d: int, alpha: float, beta: float, kappa: float | None, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    # The weights and the offset pattern sqrt(d + lambda) [0; I; -I] (2d + 1, d), built once per
+    # setting: constants that callers only read (created outside inference mode, so that autograd
+    # may save them).
     kappa = max(3.0 - d, 0.0) if kappa is None else kappa
     lam = alpha**2 * (d + kappa) - d
     with torch.inference_mode(False), torch.no_grad():
@@ -65,14 +66,17 @@ def _weights(d: int, alpha: float, beta: float, kappa: float | None, dtype: torc
         wm[0] = lam / (d + lam)
         wc = wm.clone()
         wc[0] = wm[0] + 1 - alpha**2 + beta
-    return wm, wc, (d + lam) ** 0.5
+        eye = torch.eye(d, dtype=dtype, device=device)
+        pattern = (d + lam) ** 0.5 * torch.cat([eye.new_zeros(1, d), eye, -eye])
+    return wm, wc, pattern
 
 
 def _sigma_points(mean: Tensor, cov: Tensor, alpha: float, beta: float, kappa: float | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # (points, points - mean, wm, wc): the offsets are kept so that the moments need not recompute them.
-    wm, wc, spread = _weights(mean.shape[-1], float(alpha), float(beta), None if kappa is None else float(kappa), mean.dtype, mean.device)
-    offsets = spread * torch.linalg.cholesky(cov).transpose(-1, -2)  # rows are the scaled columns of L
-    dx = torch.cat([torch.zeros_like(offsets[..., :1, :]), offsets, -offsets], -2)
+    wm, wc, pattern = _weights(mean.shape[-1], float(alpha), float(beta), None if kappa is None else float(kappa), mean.dtype, mean.device)
+    # Row i of the pattern picks (a multiple of) one column of L: one product instead of a scale,
+    # a negation and a concatenation, and the same numbers (each entry is one product plus zeros).
+    dx = pattern @ torch.linalg.cholesky(cov).transpose(-1, -2)
     return mean.unsqueeze(-2) + dx, dx, wm, wc
 
 

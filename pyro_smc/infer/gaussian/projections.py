@@ -148,10 +148,31 @@ class Linearization(Projection):
             mu, J, var = fn.linearize(mean)
             S = J @ cov @ J.transpose(-1, -2) + torch.diag_embed(var)
         else:
-            mu = fn(mean, t)
-            J = torch.autograd.functional.jacobian(lambda x: fn(x, t), mean, create_graph=torch.is_grad_enabled(), vectorize=True)
+            mu, J = _value_and_jacobian(fn, mean, t)
             S = J @ cov @ J.transpose(-1, -2)
         return mu, S, cov @ J.transpose(-1, -2)
+
+    def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        if is_gp(fn) or is_time_invariant(fn):
+            return self.map_moments(fn, mean, cov, 0)  # one call on the (B, e, d) copies
+        return super().map_moments_batch(fn, mean, cov, ts)
+
+
+def _value_and_jacobian(fn, mean: Tensor, t: int) -> tuple[Tensor, Tensor]:
+    # f(m) (..., e) and J = df/dx at m (..., e, d) from one batched call and one backward pass:
+    # f is evaluated at e copies m + z_i of the mean (fn is batched over leading dims), and the
+    # gradient of sum_i f_i(m + z_i) in z_i is row i of J. Cheaper than
+    # torch.autograd.functional.jacobian, which vmaps e backward passes. When f(m) is
+    # differentiable (in the mean or the model's parameters) the graph is kept (create_graph), so
+    # J is too; otherwise the copies start from the detached mean, so that the backward pass
+    # walks this call's graph only, not every earlier step's.
+    mu = fn(mean, t)
+    create_graph = torch.is_grad_enabled() and mu.requires_grad
+    with torch.enable_grad():
+        z = mean.new_zeros(mean.shape[:-1] + (mu.shape[-1], mean.shape[-1]), requires_grad=True)
+        copies = fn((mean if create_graph else mean.detach()).unsqueeze(-2) + z, t)  # (..., e, e): row i at copy i
+        (J,) = torch.autograd.grad(copies.diagonal(dim1=-2, dim2=-1).sum(), z, create_graph=create_graph)
+    return mu, J
 
 
 class Unscented(Projection):

@@ -55,6 +55,7 @@ from pyro_smc.infer.gaussian.projections import Projection, Unscented, as_projec
 from pyro_smc.infer.gaussian.result import GaussianSmootherResult
 from pyro_smc.models.protocol import GaussianStateSpaceModel
 from pyro_smc.observations import check_observations
+from pyro_smc.ops.affine_chain import compose_backward_kernels
 from pyro_smc.ops.gaussian import check_finite_steps, symmetrize
 
 __all__ = [
@@ -242,22 +243,19 @@ def gaussian_smoother(ssm: GaussianStateSpaceModel, observations: Tensor, projec
     projection = as_projection(projection)
     means, covs, predictions, log_lik, increments = _filter(ssm, observations, projection)
     where = f"Gaussian smoother ({projection!r})"
-    ms, Ps = [means[-1]], [covs[-1]]
+    ms, Ps = means, covs
     if predictions:
         M, S, C = predictions
         gain_t, info = torch.linalg.solve_ex(S, C.transpose(-1, -2))  # G_t^T = S^{-1} C^T for every t at once
         if bool((info != 0).any()):
             t = int(torch.nonzero(info).max())  # the backward pass meets the last singular step first
             raise ValueError(f"{where}: the predicted covariance of time step {t + 1} is singular, so the smoother gain at time step {t} is undefined; {DIVERGED}")
-        # m^s_t = (m_t - G M) + G m^s_{t+1} and P^s_t = (P_t - G S G^T) + G P^s_{t+1} G^T: the
-        # bracketed terms are batched over t, the recursion keeps two products per step.
+        # m^s_t = G m^s_{t+1} + (m_t - G M) and P^s_t = G P^s_{t+1} G^T + (P_t - G S G^T): the
+        # backward kernels are built for every t at once and composed by a reverse scan.
         gain = gain_t.transpose(-1, -2)
         mean_offsets = means[:-1] - (M.unsqueeze(-2) @ gain_t).squeeze(-2)
-        cov_offsets = covs[:-1] - gain @ S @ gain_t
-        for t in range(len(means) - 2, -1, -1):
-            ms.append(mean_offsets[t] + ms[-1] @ gain_t[t])
-            Ps.append(symmetrize(cov_offsets[t] + gain[t] @ Ps[-1] @ gain_t[t]))
-    ms, Ps = torch.stack(ms[::-1]), torch.stack(Ps[::-1])
+        cov_offsets = symmetrize(covs[:-1] - gain @ S @ gain_t)
+        ms, Ps = compose_backward_kernels(gain, mean_offsets, cov_offsets, means[-1], covs[-1])
     check_finite_steps(where, {"smoothed mean": ms, "smoothed covariance": Ps}, DIVERGED)
     return GaussianSmootherResult(ms, Ps, log_evidence=log_lik, log_evidence_increments=increments)
 
