@@ -91,6 +91,7 @@ class Factors:
 
     def __init__(self, ssm: GaussianStateSpaceModel, projection: Projection):
         self.ssm = ssm
+        self.projection = projection
         self.transition_projection = projection.for_factor("transition")
         self.observation_projection = projection.for_factor("observation")
 

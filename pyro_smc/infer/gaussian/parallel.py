@@ -34,10 +34,11 @@ from torch import Tensor
 
 from pyro_smc.infer.gaussian.factors import Factors, LinearFit
 from pyro_smc.infer.gaussian.observed import ObservationStatus
-from pyro_smc.infer.gaussian.result import EPIteration
+from pyro_smc.infer.gaussian.result import EPIteration, GaussianSmootherResult
 from pyro_smc.infer.gaussian.schedule import EPProblem, EPRun, EPSettings, FixedPointMap, WarmStart
 from pyro_smc.infer.gaussian.sequential import SequentialSchedule
 from pyro_smc.infer.gaussian.sites import Sites, failure_hint
+from pyro_smc.infer.gaussian.smoothers import SmootherPass, smoother_pass
 from pyro_smc.ops.affine_chain import affine_chain_smoother
 from pyro_smc.ops.gaussian import NotPositiveDefiniteError, check_finite_steps, is_proper, symmetrize, to_moment, to_natural
 from pyro_smc.ops.kalman import mask_missing
@@ -143,7 +144,7 @@ class _Chain(NamedTuple):
 
 class ParallelSchedule:
     """EP's parallel schedule (:class:`~pyro_smc.EPSmoother`'s ``schedule="parallel"``, plain EP,
-    ``power=1``): the first sweep of the sequential schedule (or a warm start), then iterations
+    ``power=1``): EP's first sweep (computed as the matching Gaussian smoother; or a warm start), then iterations
     that refit every factor at its cavity and take all messages from the fitted chain. Its state
     ``theta`` is the cavities (``CavityLayout``).
 
@@ -182,10 +183,8 @@ class ParallelSchedule:
         settings, cavities = self.settings, self.layout(problem)
         first_sweep, history, converged = None, [], False
         if start is None:
-            sites, first = self.sequential.sweeps(problem, sweeps=1)
-            history, first_sweep = first.history, first.first_sweep
+            theta, first_sweep, history = self.first_sweep(problem, cavities)
             means, covs = first_sweep.means, first_sweep.covariances
-            theta = cavities.of_sites(sites)
         else:
             theta, means, covs = start
         # ``step``: the damping of the move the next change measures (the first sweep: none).
@@ -206,6 +205,51 @@ class ParallelSchedule:
             step = gamma
             gamma = max(gamma / 2, settings.damping / 8) if residual > previous else min(gamma * 1.5, settings.damping)
         return EPRun(theta, means, covs, fitted.increments, history, first_sweep, converged, gamma)
+
+    def first_sweep(self, problem: EPProblem, cavities: CavityLayout) -> tuple[Tensor, GaussianSmootherResult, list[EPIteration]]:
+        """EP's first sweep (``alpha = 1``, undamped) and the cavities it leaves: ``(theta,
+        marginals, history)``.
+
+        The first sweep is the matching Gaussian smoother, so it is computed as one
+        (:func:`~pyro_smc.infer.gaussian.smoothers.smoother_pass`: a filter and one reverse scan,
+        several times cheaper than ``4 T`` message updates). Its cavities: the transition's out of
+        ``t`` is the filtering marginal at ``t``; the measurement's at ``t`` is the smoothed
+        marginal without the measurement's message, i.e. in natural form
+        ``smoothed - filtered + predicted``. Where that pass fails, or a cavity is not proper, the
+        sequential schedule's first sweep runs instead (it skips such updates, or raises naming
+        the site).
+        """
+        try:
+            run = smoother_pass(self.factors.ssm, problem.ys, self.factors.projection)
+            theta = self._cavities_of_pass(cavities, run)
+        except (ValueError, NotPositiveDefiniteError, torch.linalg.LinAlgError):
+            theta = None
+        if theta is None:
+            sites, first = self.sequential.sweeps(problem, sweeps=1)
+            return cavities.of_sites(sites), first.first_sweep, first.history
+        return theta, GaussianSmootherResult(run.means, run.covariances), [EPIteration(float("inf"), 0)]
+
+    def _cavities_of_pass(self, cavities: CavityLayout, run: SmootherPass) -> Tensor | None:
+        # The cavities of the first sweep (see first_sweep), packed; None if one is not proper.
+        ssm, filtered = self.factors.ssm, run.filtered
+        T = filtered.means.shape[0]
+        eta_f, lam_f = to_natural(filtered.means, filtered.covariances)
+        if T > 1:
+            M, S, _ = filtered.predictions
+            pred_mean, pred_cov = torch.cat([ssm.init_mean.unsqueeze(0), M]), torch.cat([ssm.init_cov.unsqueeze(0), S])
+        else:
+            pred_mean, pred_cov = ssm.init_mean.unsqueeze(0), ssm.init_cov.unsqueeze(0)
+        index = cavities.index
+        eta_p, lam_p = to_natural(pred_mean[index], pred_cov[index])
+        eta_s, lam_s = to_natural(run.means[index], run.covariances[index])
+        # At the last step the smoothed marginal is the filtered one: the cavity is the prediction.
+        eta_ms, lam_ms = eta_p + (eta_s - eta_f[index]), symmetrize(lam_p + (lam_s - lam_f[index]))
+        last = index == T - 1
+        eta_ms = torch.where(last[:, None], eta_p, eta_ms)
+        lam_ms = torch.where(last[:, None, None], lam_p, lam_ms)
+        if not bool(is_proper(lam_ms).all()):
+            return None
+        return cavities.pack(torch.cat([eta_f[:-1], eta_ms]), torch.cat([lam_f[:-1], lam_ms]))
 
     def fixed_point(self, problem: EPProblem, run: EPRun) -> FixedPointMap:
         """One parallel iteration (damped by the damping the run ended with) as the map

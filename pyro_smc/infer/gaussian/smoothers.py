@@ -65,6 +65,8 @@ __all__ = [
     "gaussian_smoother",
     "gp_adf",
     "gp_rtss",
+    "smoother_pass",
+    "SmootherPass",
     "unscented_kalman_filter",
     "unscented_rts_smoother",
 ]
@@ -240,8 +242,50 @@ def gaussian_smoother(ssm: GaussianStateSpaceModel, observations: Tensor, projec
         >>> torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
         True
     """
+    run = smoother_pass(ssm, observations, projection)
+    return GaussianSmootherResult(run.means, run.covariances, log_evidence=run.filtered.log_evidence, log_evidence_increments=run.filtered.increments)
+
+
+class SmootherPass(NamedTuple):
+    """What one filter-smoother pass computes (:func:`smoother_pass`).
+
+    Attributes:
+        means: ``(T, d)`` the smoothed means.
+        covariances: ``(T, d, d)``.
+        filtered: the filter's pass: its marginals ``means``, ``covariances``, the predicted
+            moments ``predictions = (M, S, C)`` of each step ``t -> t + 1`` (``(T - 1, ...)``;
+            ``()`` when ``T = 1``), ``log_evidence`` and ``increments``.
+
+    Example:
+        See :func:`smoother_pass`.
+    """
+
+    means: Tensor
+    covariances: Tensor
+    filtered: _FilterPass
+
+
+def smoother_pass(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> SmootherPass:
+    """:func:`gaussian_smoother` with the filter's pass kept: the parallel EP schedule starts
+    from the cavities it implies (the matching Gaussian smoother is EP's first sweep).
+
+    Args and errors are those of :func:`gaussian_smoother`.
+
+    Returns:
+        :class:`SmootherPass`.
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.models import LinearGaussianSSM
+        >>> eye = torch.eye(1)
+        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
+        >>> run = smoother_pass(ssm, torch.ones(4, 1))
+        >>> run.means.shape, run.filtered.means.shape, run.filtered.predictions[1].shape   # S: (T-1, d, d)
+        (torch.Size([4, 1]), torch.Size([4, 1]), torch.Size([3, 1, 1]))
+    """
     projection = as_projection(projection)
-    means, covs, predictions, log_lik, increments = _filter(ssm, observations, projection)
+    run = _filter(ssm, observations, projection)
+    means, covs, predictions = run.means, run.covariances, run.predictions
     where = f"Gaussian smoother ({projection!r})"
     ms, Ps = means, covs
     if predictions:
@@ -257,7 +301,7 @@ def gaussian_smoother(ssm: GaussianStateSpaceModel, observations: Tensor, projec
         cov_offsets = symmetrize(covs[:-1] - gain @ S @ gain_t)
         ms, Ps = compose_backward_kernels(gain, mean_offsets, cov_offsets, means[-1], covs[-1])
     check_finite_steps(where, {"smoothed mean": ms, "smoothed covariance": Ps}, DIVERGED)
-    return GaussianSmootherResult(ms, Ps, log_evidence=log_lik, log_evidence_increments=increments)
+    return SmootherPass(ms, Ps, run)
 
 
 # The variants fix the projection; their arguments, results and errors are those of

@@ -62,7 +62,10 @@ def test_parallel_fixed_point_and_gradient_equal_the_sequential_ones(model, proj
     assert par.converged and seq.converged and len(par.history) > 2
     assert torch.allclose(par.means, seq.means, atol=1e-9) and torch.allclose(par.covariances, seq.covariances, atol=1e-9)
     assert torch.allclose(par.log_evidence_increments, seq.log_evidence_increments, atol=1e-9)
-    assert torch.equal(par.first_sweep.means, seq.first_sweep.means)  # the same first sweep
+    # The same first sweep: the parallel schedule computes it as the Gaussian smoother, the
+    # sequential one as 4 T message updates, so they agree to rounding.
+    torch.testing.assert_close(par.first_sweep.means, seq.first_sweep.means, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(par.first_sweep.covariances, seq.first_sweep.covariances, rtol=1e-10, atol=1e-10)
     g_par = torch.autograd.grad(_loss(par), params)
     g_seq = torch.autograd.grad(_loss(seq), params)
     g_unrolled = torch.autograd.grad(_loss(run("parallel", "unroll")), params)
