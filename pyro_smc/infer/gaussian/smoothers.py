@@ -66,6 +66,7 @@ __all__ = [
     "gp_adf",
     "gp_rtss",
     "smoother_pass",
+    "FilterPass",
     "SmootherPass",
     "unscented_kalman_filter",
     "unscented_rts_smoother",
@@ -95,8 +96,22 @@ def _increments(like: Tensor, steps: int, full: list, partial: list) -> Tensor:
     return increments.index_put((torch.tensor(idx, device=like.device),), torch.cat(values))
 
 
-class _FilterPass(NamedTuple):
-    # The filter's marginals, each step's predicted moments (M, S, C) for the smoother, and the evidence.
+class FilterPass(NamedTuple):
+    """The Gaussian filter's pass, kept for the smoother and for EP's cavities.
+
+    Attributes:
+        means: ``(T, d)`` the filtering means.
+        covariances: ``(T, d, d)``.
+        predictions: ``(M, S, C)``, the predicted moments of each step ``t -> t + 1``: ``M``
+            ``(T - 1, d)`` the predicted mean, ``S`` ``(T - 1, d, d)`` its covariance, ``C``
+            ``(T - 1, d, d)`` the cross-covariance of ``x_t`` and ``x_{t+1}``; ``()`` when ``T = 1``.
+        log_evidence: ``()`` the sum of ``increments``.
+        increments: ``(T,)`` each step's ``log p(y_t | y_{<t})`` under the projection.
+
+    Example:
+        See :func:`smoother_pass`.
+    """
+
     means: Tensor
     covariances: Tensor
     predictions: tuple  # (M (T-1, d), S (T-1, d, d), C (T-1, d, d)): step t -> t + 1
@@ -104,7 +119,7 @@ class _FilterPass(NamedTuple):
     increments: Tensor
 
 
-def _filter(ssm: GaussianStateSpaceModel, observations, projection: Projection) -> _FilterPass:
+def _filter(ssm: GaussianStateSpaceModel, observations, projection: Projection) -> FilterPass:
     # Each GP component's posterior is computed once for the pass (with its autograd graph when
     # the hyperparameters require grad, so that log_evidence is differentiable in them), not
     # once per projection.
@@ -132,7 +147,7 @@ def _failed(where: str, t: int, moments: dict[str, list], error: Exception) -> V
     )
 
 
-def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Projection) -> _FilterPass:
+def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Projection) -> FilterPass:
     transition, observation = projection.for_factor("transition"), projection.for_factor("observation")
     ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
     status = observation_status(ys)
@@ -165,7 +180,7 @@ def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Proje
     # would otherwise pass silently, beside a finite evidence.
     check_finite_steps(where, {"filtering mean": means, "filtering covariance": covs, "log-evidence increment": increments}, DIVERGED)
     predictions = tuple(torch.stack(column) for column in zip(*predictions)) if predictions else ()
-    return _FilterPass(means, covs, predictions, increments.sum(), increments)
+    return FilterPass(means, covs, predictions, increments.sum(), increments)
 
 
 def gaussian_filter(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> GaussianSmootherResult:
@@ -262,7 +277,7 @@ class SmootherPass(NamedTuple):
 
     means: Tensor
     covariances: Tensor
-    filtered: _FilterPass
+    filtered: FilterPass
 
 
 def smoother_pass(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> SmootherPass:
