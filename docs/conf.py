@@ -35,6 +35,8 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
     "sphinx.ext.mathjax",
+    # MathJax served with the site (_static/mathjax), not from a CDN: formulas render offline.
+    "sphinx-mathjax-offline",
     "myst_nb",  # Markdown (MyST) pages and the tutorial notebooks
 ]
 
@@ -43,6 +45,9 @@ source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-n
 
 # --- MyST ----------------------------------------------------------------------------------------
 myst_enable_extensions = ["dollarmath", "amsmath"]
+# `$$...$$` inside a paragraph is display maths too (off by default in MyST, which then printed
+# the dollars and ran the TeX into the text); tests/test_docs_build.py checks the built pages.
+myst_dmath_double_inline = True
 # The maths pages link to headings by their GitHub-style slugs (docs/math/smc.md#missing-observations).
 myst_heading_anchors = 4
 

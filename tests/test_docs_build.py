@@ -93,6 +93,74 @@ def test_docs_build(tmp_path):
             pass  # a method or attribute: its class is what counts
     missing = [name for name, obj in public_objects().items() if _is_documentable(obj) and id(obj) not in documented_ids]
     assert not missing, f"public names missing from the API reference: {missing}"
+    _check_built_maths(tmp_path / "html")
+
+
+# TeX that reached a page as text: a dollar, or a control word of the kinds the pages use.
+_STRAY_TEX = re.compile(r"\$|\\(?:frac|tfrac|mathcal|mathbf|mathrm|operatorname|sum|prod|int|log|exp|top|sigma|mu|alpha|beta|theta|lambda|left|right|begin|end|big|Big|lVert|rVert|mid|nabla|delta|qquad|quad)\b")
+_CODE_TAGS = {"script", "style", "pre", "code", "kbd", "samp", "textarea"}
+_VOID_TAGS = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+def stray_tex(html: str) -> list[str]:
+    """The snippets of ``html`` where TeX shows as text: outside the math elements MathJax
+    typesets (class ``math``) and outside code, scripts and highlighted blocks.
+
+    Example: ``stray_tex('<p>a $x$ b</p>')`` finds the two dollars, ``stray_tex('<span
+    class="math">\\(x\\)</span>')`` nothing.
+    """
+    from html.parser import HTMLParser
+
+    found: list[str] = []
+
+    class Scan(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.open: list[tuple[str, bool]] = []
+            self.skipping = 0
+
+        def handle_starttag(self, tag, attrs):
+            if tag in _VOID_TAGS:
+                return
+            classes = (dict(attrs).get("class") or "").split()
+            skip = tag in _CODE_TAGS or "math" in classes or any(c.startswith("highlight") for c in classes)
+            self.open.append((tag, skip))
+            self.skipping += skip
+
+        def handle_endtag(self, tag):
+            while self.open and tag not in _VOID_TAGS:
+                name, skip = self.open.pop()
+                self.skipping -= skip
+                if name == tag:
+                    break
+
+        def handle_data(self, data):
+            if not self.skipping:
+                found.extend(data[max(0, m.start() - 40) : m.end() + 40].replace("\n", " ") for m in _STRAY_TEX.finditer(data))
+
+    Scan().feed(html)
+    return found
+
+
+def test_stray_tex_finds_unrendered_maths():
+    assert len(stray_tex("<p>the weight $w$ and $$x = 1$$</p>")) == 6
+    assert stray_tex('<p>a <span class="math notranslate">\\(\\frac12\\)</span> b</p><pre>$ pip</pre>') == []
+    assert stray_tex("<p>covariance: \\frac{1}{2} \\sigma</p>") != []
+
+
+def _check_built_maths(html: pathlib.Path) -> None:
+    """Every page's maths is typeset (no TeX as text) by the MathJax served with the site."""
+    pages = [p for p in html.rglob("*.html") if not {"_static", "_modules", "_sources"} & set(p.relative_to(html).parts)]
+    stray = {str(p.relative_to(html)): hits for p in pages if (hits := stray_tex(p.read_text(encoding="utf-8")))}
+    assert not stray, "maths shown as raw TeX (a $$ block inside a paragraph whose next line starts like a list item, " + (
+        "'- x' or '+ x', ends the block: write '{}- x'):\n" + "\n".join(f"{page}: {len(hits)} x, first: {hits[0]!r}" for page, hits in stray.items())
+    )
+    assert (html / "_static" / "mathjax" / "tex-chtml.js").is_file(), "MathJax is not served with the site (sphinx-mathjax-offline)"
+    with_maths = [p for p in pages if 'class="math' in p.read_text(encoding="utf-8")]
+    assert with_maths, "no page has maths: the check above checked nothing"
+    for page in with_maths:
+        text = page.read_text(encoding="utf-8")
+        assert "_static/mathjax/tex-chtml.js" in text and "cdn.jsdelivr" not in text, f"{page.name} loads MathJax from elsewhere"
 
 
 _EXAMPLE = re.compile(r"^\s*Examples?\b[^\n]*:\s*$", re.M)

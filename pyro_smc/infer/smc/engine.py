@@ -148,7 +148,7 @@ class SMC:
 
     def _reset(self) -> None:
         """Forgets the run: particles, weights, records, history and what the checks remember."""
-        self.state = SMCState()
+        self.state = SMCState(self._state_log_weights)
         self._t = 0
         self._initialized = False
         self._weights: ParticleWeights | None = None
@@ -190,10 +190,14 @@ class SMC:
         over them, ``Normal(...).to_event(1)``) with the model's transition proposing. At both the
         guide is still called, missing entries set to zero, so its bookkeeping keeps step, and its
         draws are discarded. An infinite observation, or a NaN in another argument, is an error.
+        ``step()`` with no argument is a regular step, as for ``SMCFilter``: the model scores
+        whatever sites it observes itself (data it holds, as Pyro's ``CompartmentalModel`` does).
         See ``docs/math/smc.md#missing-observations``.
         """
         y = args[0] if args else None
-        observation = step_observation(y, self._t) if y is None or isinstance(y, Tensor) else None
+        # No argument at all is a regular step, as under SMCFilter: the model scores the sites
+        # it observes itself (data it holds); only an explicit None is a missing observation.
+        observation = step_observation(y, self._t) if args and (y is None or isinstance(y, Tensor)) else None
         missing = observation is not None and observation.missing
         observed = None if observation is None else observation.observed
         args = fill_missing(args, observed)
@@ -292,6 +296,11 @@ class SMC:
     def log_weights(self) -> Tensor | None:
         """``(B, N)`` normalised log-weights after the last step (``None`` before ``init``)."""
         return None if self._weights is None else self._weights.log_weights
+
+    def _state_log_weights(self) -> Tensor | None:
+        # What state._log_weights shows: SMCFilter's layout, (N,) with one filter.
+        log_w = self.log_weights
+        return log_w[0] if log_w is not None and self.num_filters == 1 else log_w
 
     @property
     def log_evidence(self) -> Tensor | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -33,6 +33,13 @@ class SMCState(dict):
 
     Every tensor has the particle dimensions ``(B, N)`` (``(N,)`` with one filter) in front.
 
+    Code written against ``pyro.infer.SMCFilter`` also reads the weights from the state: here too
+    ``state._log_weights`` is the last step's log-weights, ``(N,)`` with one filter (``(B, N)``
+    with ``B``), ``None`` before ``init``. They are normalised (``logsumexp`` 0), where
+    ``SMCFilter``'s are shifted to a maximum of 0: the same weights, the same ``argmax``, the same
+    :class:`~pyro.distributions.Empirical`. Pyro's ``CompartmentalModel.heuristic()`` reads them
+    so. Read-only: the engine owns the weights (:attr:`~pyro_smc.SMC.log_weights`).
+
     Example:
         >>> import torch
         >>> from pyro_smc import SMC
@@ -44,9 +51,16 @@ class SMCState(dict):
         torch.Size([10, 2])
     """
 
-    def __init__(self):
+    def __init__(self, log_weights: Callable[[], Tensor | None] | None = None):
         super().__init__()
         self._locked = False
+        self._weights_of = log_weights
+
+    @property
+    def _log_weights(self) -> Tensor | None:
+        # SMCFilter's name for the weights (see the class docstring); read from the engine, so
+        # that a checkpoint restore or a resampling can never leave a stale copy here.
+        return None if self._weights_of is None else self._weights_of()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
