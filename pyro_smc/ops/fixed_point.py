@@ -114,6 +114,13 @@ def implicit_fixed_point(
         >>> round(a.grad.item(), 6)
         100.0
     """
+    # First without a graph on theta: if no parameter requires grad there is no graph at all.
+    # Building one on theta alone only to drop it killed the process once it was deep (EP's
+    # sequential sweep at T = 1000: freeing it overflowed the C stack).
+    probe = fn(theta.detach())
+    if not probe.requires_grad:
+        return probe
+    del probe
     u = theta.detach().requires_grad_()
     z = fn(u)
     if not depends_on_other_leaves(z, u):

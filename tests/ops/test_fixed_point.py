@@ -101,6 +101,19 @@ def test_a_map_without_parameters_returns_a_detached_value():
     assert not z.requires_grad and z.item() == 2.0
 
 
+def test_a_map_without_parameters_is_evaluated_once_and_without_a_graph():
+    # A graph built on theta alone, only to be dropped, killed the process once it was deep
+    # (EP's sequential sweep at T = 1000 segfaulted freeing it): none may be built.
+    seen = []
+
+    def step(u):
+        seen.append(u.requires_grad)
+        return 0.5 * u + 1
+
+    z = implicit_fixed_point(step, torch.tensor(2.0), tol=1e-10, max_iter=10)
+    assert seen == [False] and not z.requires_grad
+
+
 def test_depends_on_other_leaves():
     u, w = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     assert not depends_on_other_leaves(2 * u + 1, u)
