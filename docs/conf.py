@@ -34,6 +34,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",  # [source] links beside every documented object
     "sphinx.ext.mathjax",
     # MathJax served with the site (_static/mathjax), not from a CDN: formulas render offline.
     "sphinx-mathjax-offline",
@@ -75,6 +76,9 @@ autodoc_typehints = "signature"
 # the signature parser).
 autodoc_preserve_defaults = True
 autodoc_default_options = {"members": True, "show-inheritance": True}
+# As Pyro's docs: a method without its own docstring shows none, not torch's inherited
+# "Define the computation performed at every call" under AutoKroneckerFlow.forward.
+autodoc_inherit_docstrings = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False

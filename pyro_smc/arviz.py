@@ -61,11 +61,17 @@ def _numpy(x: Tensor) -> np.ndarray:
     return x.detach().cpu().numpy()
 
 
+def _check_started(smc: SMC) -> None:
+    try:
+        smc.log_weights  # noqa: B018 - the property raises before anything was weighed
+    except RuntimeError:
+        raise ValueError("to_inference_data: the SMC object has not been run (call .run or .init/.step first)") from None
+
+
 def _from_smc(smc: SMC, num_draws: int | None, generator: torch.Generator | None):
     import arviz as az
 
-    if smc.log_weights is None:
-        raise ValueError("to_inference_data: the SMC object has not been run (call .run or .init/.step first)")
+    _check_started(smc)
     particles, log_w = smc.weighted_particles
     log_w = log_w.detach()  # (B, N)
     B, N = log_w.shape
@@ -95,8 +101,7 @@ def _from_smc_smoothed(smc: SMC, method: str, num_draws: int | None, generator: 
 
     if not smc.store_history:
         raise ValueError("to_inference_data(..., smoothing=...) needs the particle history: build the engine with SMC(..., store_history=True)")
-    if smc.log_weights is None:
-        raise ValueError("to_inference_data: the SMC object has not been run (call .run or .init/.step first)")
+    _check_started(smc)
     if generator is not None:
         raise ValueError("to_inference_data: generator= is not supported with smoothing= (SMC.smooth uses the global RNG: torch.manual_seed)")
     num_draws = smc.num_particles if num_draws is None else int(num_draws)

@@ -151,6 +151,7 @@ class MatrixNormal(TorchDistribution):
         super().__init__(batch_shape, torch.Size((n, p)), validate_args=validate_args)
 
     def expand(self, batch_shape, _instance=None) -> MatrixNormal:
+        """The distribution with batch shape ``batch_shape`` (factors broadcast, no copy)."""
         new = self._get_checked_instance(MatrixNormal, _instance)
         batch_shape = torch.Size(batch_shape)
         n, p = self.event_shape
@@ -163,10 +164,12 @@ class MatrixNormal(TorchDistribution):
 
     @property
     def mean(self) -> Tensor:
+        """``M`` ``(..., n, p)``."""
         return self.loc
 
     @property
     def mode(self) -> Tensor:
+        """``M`` as well."""
         return self.loc
 
     @property
@@ -185,6 +188,7 @@ class MatrixNormal(TorchDistribution):
         return self.scale_tril_col @ self.scale_tril_col.transpose(-1, -2)
 
     def rsample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> Tensor:
+        """``M + L_row E L_col^T`` with standard normal ``E`` ``(sample_shape, ..., n, p)``."""
         shape = self._extended_shape(torch.Size(sample_shape))
         eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
         value = self.loc + kron_matvec(self.scale_tril_row, self.scale_tril_col.transpose(-1, -2), eps)
@@ -195,6 +199,7 @@ class MatrixNormal(TorchDistribution):
         return value
 
     def log_prob(self, value: Tensor) -> Tensor:
+        """The log density at ``value`` ``(..., n, p)``."""
         if self._validate_args:
             self._validate_sample(value)
         n, p = self.event_shape
@@ -206,6 +211,7 @@ class MatrixNormal(TorchDistribution):
         return -0.5 * maha - kron_tril_logdet(self.scale_tril_row, self.scale_tril_col) - 0.5 * n * p * math.log(2 * math.pi)
 
     def entropy(self) -> Tensor:
+        """The differential entropy, ``(batch_shape)``."""
         return kron_tril_entropy(self.scale_tril_row, self.scale_tril_col)
 
 

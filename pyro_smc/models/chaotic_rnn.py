@@ -107,6 +107,7 @@ class ChaoticRNN(PyroModule):
 
     @property
     def obs_dim(self) -> int:
+        """``e``, the dimension of an observation (the state's: every coordinate is observed)."""
         return self.state_dim
 
     def transition_mean(self, x: Tensor) -> Tensor:
@@ -114,6 +115,7 @@ class ChaoticRNN(PyroModule):
         return x + (self.delta / self.tau) * (-x + self.gamma * torch.tanh(x) @ self.weight.T)
 
     def init(self, state: dict) -> None:
+        """Starts a new sequence; the first :meth:`step` samples ``x_0`` from the prior."""
         self._t = 0
 
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:

@@ -112,19 +112,23 @@ class LinearGaussianSSM(PyroModule):
 
     @property
     def state_dim(self) -> int:
+        """``d``, the rows of ``A``."""
         return self.A.shape[0]
 
     @property
     def obs_dim(self) -> int:
+        """``e``, the rows of ``C``."""
         return self.C.shape[0]
 
     # --- the Gaussian-engine protocol -------------------------------------------------------
     @property
     def transition_cov(self) -> Tensor:
+        """``Q`` ``(d, d)``."""
         return self.Q
 
     @property
     def observation_cov(self) -> Tensor:
+        """``R`` ``(e, e)``."""
         return self.R
 
     def transition_fn(self, x: Tensor, t: int) -> Tensor:
@@ -140,9 +144,11 @@ class LinearGaussianSSM(PyroModule):
     observation_fn.time_invariant = True  # the projections may batch it over time
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        """``(A x, None)``: linear, no predictive variance."""
         return self.transition_fn(x, t), None
 
     def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        """``(C x, None)``: linear, no predictive variance."""
         return self.observation_fn(x, t), None
 
     # --- the SMC protocol -------------------------------------------------------------------
@@ -262,10 +268,12 @@ class DiagonalLinearGaussianSSM(PyroModule):
 
     @property
     def state_dim(self) -> int:
+        """``d``, the length of the transition diagonal."""
         return self.transition_diag.shape[0]
 
     @property
     def obs_dim(self) -> int:
+        """``d`` as well: one observation per coordinate."""
         return self.emission_diag.shape[0]
 
     # --- the Gaussian-engine protocol -------------------------------------------------------
@@ -275,18 +283,22 @@ class DiagonalLinearGaussianSSM(PyroModule):
 
     @property
     def init_mean(self) -> Tensor:
+        """``(d,)`` zeros."""
         return torch.zeros_like(self.transition_diag)
 
     @property
     def init_cov(self) -> Tensor:
+        """``init_scale^2 I``."""
         return self._scaled_eye(self.init_scale)
 
     @property
     def transition_cov(self) -> Tensor:
+        """``transition_scale^2 I``."""
         return self._scaled_eye(self.transition_scale)
 
     @property
     def observation_cov(self) -> Tensor:
+        """``observation_scale^2 I``."""
         return self._scaled_eye(self.observation_scale)
 
     def transition_fn(self, x: Tensor, t: int) -> Tensor:
@@ -302,13 +314,16 @@ class DiagonalLinearGaussianSSM(PyroModule):
     observation_fn.time_invariant = True  # the projections may batch it over time
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        """``(diag(a) x, None)``."""
         return self.transition_fn(x, t), None
 
     def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
+        """``(diag(c) x, None)``."""
         return self.observation_fn(x, t), None
 
     # --- the SMC protocol -------------------------------------------------------------------
     def init(self, state: dict) -> None:
+        """Starts a new sequence; the first :meth:`step` samples ``x_0`` from the prior."""
         self._t = 0
 
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:

@@ -225,6 +225,7 @@ class NeuralProposal(PyroModule):
         self._t = 0
 
     def init(self, state: dict) -> None:
+        """Starts a new sequence (the guide's step counter), as the model's ``init``."""
         self._t = 0
 
     def step(self, state: dict, y: Tensor) -> None:
@@ -274,6 +275,7 @@ class LocallyOptimalProposal:
         self._t = 0
 
     def init(self, state: dict) -> None:
+        """Starts a new sequence (the guide's step counter), as the model's ``init``."""
         self._t = 0
 
     def step(self, state: dict, y: Tensor) -> None:

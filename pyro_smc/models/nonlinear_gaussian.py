@@ -255,10 +255,12 @@ class NonlinearGaussianSSM(PyroModule):
 
     @property
     def state_dim(self) -> int:
+        """``d``, the length of ``init_mean``."""
         return self.init_mean.shape[0]
 
     @property
     def obs_dim(self) -> int:
+        """``e``, the size of ``observation_cov``."""
         return self.observation_cov.shape[0]
 
     @property

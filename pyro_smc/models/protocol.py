@@ -38,7 +38,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["GaussianStateSpaceModel", "StateSpaceModel"]
+__all__ = ["GaussianStateSpaceModel", "StateSpaceModel", "require_gaussian_model"]
 
 
 class _ModuleProtocolMeta(type(Protocol)):
@@ -72,16 +72,21 @@ class StateSpaceModel(Protocol, metaclass=_ModuleProtocolMeta):
     """
 
     @property
-    def state_dim(self) -> int: ...
+    def state_dim(self) -> int:
+        """``d``, the dimension of the latent state ``x_t``."""
 
     @property
-    def obs_dim(self) -> int: ...
+    def obs_dim(self) -> int:
+        """``e``, the dimension of an observation ``y_t``."""
 
-    def init(self, state: dict) -> None: ...
+    def init(self, state: dict) -> None:
+        """Starts a new sequence (resets the step counter); samples nothing for the bootstrap models."""
 
-    def step(self, state: dict, y: Tensor | None = None) -> Tensor: ...
+    def step(self, state: dict, y: Tensor | None = None) -> Tensor:
+        """Samples ``x_t`` given ``state["x"]`` (from the prior at the first step) into ``state`` and observes ``y_t``; returns ``x_t``."""
 
-    def simulate(self, num_steps: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]: ...
+    def simulate(self, num_steps: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """Draws a sequence of ``num_steps``: ``(xs (T, d), ys (T, e))``."""
 
 
 @runtime_checkable
@@ -115,23 +120,57 @@ class GaussianStateSpaceModel(StateSpaceModel, Protocol):
     """
 
     @property
-    def init_mean(self) -> Tensor: ...
+    def init_mean(self) -> Tensor:
+        """``(d,)`` the mean of ``x_0``."""
 
     @property
-    def init_cov(self) -> Tensor: ...
+    def init_cov(self) -> Tensor:
+        """``(d, d)`` the covariance of ``x_0``."""
 
     @property
-    def transition_cov(self) -> Tensor: ...
+    def transition_cov(self) -> Tensor:
+        """``(d, d)`` the covariance of the transition noise ``w_t``."""
 
     @property
-    def observation_cov(self) -> Tensor: ...
+    def observation_cov(self) -> Tensor:
+        """``(e, e)`` the covariance of the observation noise ``v_t``."""
 
     @property
-    def transition_fn(self): ...
+    def transition_fn(self):
+        """``f(x, t)``, ``(..., d) -> (..., d)``, or a GP posterior."""
 
     @property
-    def observation_fn(self): ...
+    def observation_fn(self):
+        """``g(x, t)``, ``(..., d) -> (..., e)``, or a GP posterior."""
 
-    def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]: ...
+    def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
+        """The mean of ``x_{t+1}`` given ``x_t = x`` ``(..., d)`` and a GP map's predictive variance (``None`` for a plain function)."""
 
-    def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]: ...
+    def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
+        """The mean of ``y_t`` given ``x_t = x`` ``(..., e)`` and a GP map's predictive variance (``None`` for a plain function)."""
+
+
+_GAUSSIAN_MEMBERS = ("state_dim", "obs_dim", "init_mean", "init_cov", "transition_fn", "transition_cov", "observation_fn", "observation_cov")
+
+
+def require_gaussian_model(ssm: object, engine: str) -> None:
+    """Raises a ``TypeError`` naming ``engine`` and what ``ssm`` lacks unless it has the members
+    of :class:`GaussianStateSpaceModel` (a Pyro ``init``/``step`` program has none of them).
+
+    Example:
+        >>> class RW:
+        ...     def init(self, state): ...
+        ...     def step(self, state, y): ...
+        >>> try:
+        ...     require_gaussian_model(RW(), "EPSmoother")
+        ... except TypeError as error:
+        ...     print(str(error)[:61])
+        EPSmoother needs a GaussianStateSpaceModel (additive Gaussian
+    """
+    missing = [name for name in _GAUSSIAN_MEMBERS if not hasattr(ssm, name)]
+    if missing:
+        raise TypeError(
+            f"{engine} needs a GaussianStateSpaceModel (additive Gaussian noise, written as its maps and covariances: "
+            f"NonlinearGaussianSSM, LinearGaussianSSM), got a {type(ssm).__name__} without {', '.join(missing)}; "
+            "a model written as a Pyro init/step program runs on SMC (or OnlineVariationalFilter) instead"
+        )

@@ -116,6 +116,7 @@ class IndexResampler(Resampler):
         return _ESTIMATORS[self.gradient]
 
     def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
+        """Draws the ancestors and gathers every state tensor by them (see :meth:`Resampler.resample`)."""
         check_particles(particles, log_weights)
         index = self.scheme(log_weights)
         if self.gradient in ("stop_gradient", "marginal_stop_gradient"):

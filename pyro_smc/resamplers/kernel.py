@@ -115,6 +115,7 @@ class KernelResampler(Resampler):
         self.scheme = scheme
 
     def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
+        """Resamples and moves the particles by the kernel (see :meth:`Resampler.resample`)."""
         check_particles(particles, log_weights)
         check_log_weights(log_weights)
         batch, n = log_weights.shape, log_weights.shape[-1]

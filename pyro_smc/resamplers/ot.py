@@ -127,6 +127,7 @@ class OTResampler(Resampler):
         return f"OTResampler(epsilon={s.epsilon!r}, scaling={s.scaling!r}, threshold={s.threshold!r}, max_iter={s.max_iter!r}, gradient={s.gradient!r})"
 
     def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
+        """Transports the particles by the entropic OT plan (see :meth:`Resampler.resample`)."""
         check_particles(particles, log_weights)
         n = log_weights.shape[-1]
         x, floats = flatten_floats(particles, log_weights)

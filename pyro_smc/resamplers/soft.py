@@ -68,6 +68,7 @@ class SoftResampler(Resampler):
         self.alpha = _check_unit_interval("alpha", alpha)
 
     def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
+        """Draws ancestors from the mixture ``alpha w + (1 - alpha) / N`` and corrects the weights (see :meth:`Resampler.resample`)."""
         check_particles(particles, log_weights)
         n = log_weights.shape[-1]
         # alpha = 1 (plain multinomial) leaves no uniform part: its log-weight is -inf, not an error.

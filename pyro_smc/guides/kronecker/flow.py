@@ -240,6 +240,7 @@ class AutoKroneckerFlow(AutoGuide):
 
     # --- sampling ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs) -> dict[str, Tensor]:
+        """Samples every weight matrix from the flow and returns them by site name (as any Pyro autoguide)."""
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)

@@ -78,7 +78,7 @@ from pyro_smc.infer.gaussian.result import EPState, GaussianSmootherResult
 from pyro_smc.infer.gaussian.schedule import EPProblem, EPRun, EPSettings, FixedPointMap, WarmStart
 from pyro_smc.infer.gaussian.sequential import SequentialSchedule
 from pyro_smc.infer.gaussian.sites import failure_hint
-from pyro_smc.models.protocol import GaussianStateSpaceModel
+from pyro_smc.models.protocol import GaussianStateSpaceModel, require_gaussian_model
 from pyro_smc.observations import check_observations
 from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.gaussian import check_finite_steps
@@ -197,6 +197,7 @@ class EPSmoother:
             raise ValueError(f"schedule must be one of {tuple(SCHEDULES)}, got {schedule!r}")
         if schedule == "parallel" and power != 1:
             raise ValueError(f'schedule="parallel" is plain EP (power=1); got power={power!r}: use schedule="sequential" for power EP')
+        require_gaussian_model(ssm, "EPSmoother")
         self.ssm = ssm
         self.projection = projection
         self.max_iter = int(max_iter)

@@ -144,6 +144,7 @@ class Linearization(Projection):
     """
 
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean, covariance and cross-covariance of ``fn`` at ``N(m, P)`` by its first-order Taylor expansion at ``m`` (see :meth:`Projection.map_moments`)."""
         if is_gp(fn):
             mu, J, var = fn.linearize(mean)
             S = J @ cov @ J.transpose(-1, -2) + torch.diag_embed(var)
@@ -153,6 +154,7 @@ class Linearization(Projection):
         return mu, S, cov @ J.transpose(-1, -2)
 
     def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`map_moments` for a batch of Gaussians at once."""
         if is_gp(fn) or is_time_invariant(fn):
             return self.map_moments(fn, mean, cov, 0)  # one call on the (B, e, d) copies
         return super().map_moments_batch(fn, mean, cov, ts)
@@ -216,23 +218,27 @@ class Unscented(Projection):
             self.per_factor[name] = overrides
 
     def for_factor(self, factor: str) -> Unscented:
+        """This projection, or one with the settings ``per_factor`` gives for ``factor``."""
         if not self.per_factor.get(factor):
             return self
         return Unscented(**{**self.settings, **self.per_factor[factor]})
 
     def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`map_moments` for a batch of Gaussians at once."""
         if is_gp(fn) or is_time_invariant(fn):
             return self.map_moments(fn, mean, cov, 0)  # one call on the (B, 2d + 1, d) sigma points
         ts = [int(t) for t in ts]
         return unscented_moments(lambda points: torch.stack([fn(p, t) for p, t in zip(points, ts)]), mean, cov, **self.settings)
 
     def moments(self, fn, mean: Tensor, cov: Tensor, t: int, noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Moments of ``fn(x, t) + noise`` at ``x ~ N(mean, cov)``, ``noise ~ N(0, noise_cov)`` (see :meth:`Projection.moments`)."""
         # map_moments' S is already symmetric (and so is S + noise_cov): _with_noise's second
         # symmetrisation would return the same bits, so it is skipped on this per-step path.
         mu, S, C = self.map_moments(fn, mean, cov, t)
         return mu, S if noise_cov is None else S + noise_cov, C
 
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Mean, covariance and cross-covariance of ``fn`` at ``N(m, P)`` by the unscented transform (see :meth:`Projection.map_moments`)."""
         if not is_gp(fn):
             return unscented_moments(lambda x: fn(x, t), mean, cov, **self.settings)
         gp_var = []
@@ -277,15 +283,18 @@ class MomentMatching(Projection):
         self.fallback = Unscented() if fallback is None else fallback
 
     def for_factor(self, factor: str) -> MomentMatching:
+        """The exact moments for a GP factor, the fallback projection for any other."""
         fallback = self.fallback.for_factor(factor)
         return self if fallback is self.fallback else MomentMatching(fallback)
 
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Exact moments of a GP map at ``N(m, P)`` (see :meth:`Projection.map_moments`)."""
         if is_gp(fn):
             return fn.predict_moments(mean, cov)
         return self.fallback.map_moments(fn, mean, cov, t)
 
     def map_moments_batch(self, fn, mean: Tensor, cov: Tensor, ts: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`map_moments` for a batch of Gaussians at once."""
         if is_gp(fn):
             return fn.predict_moments(mean, cov)
         return self.fallback.map_moments_batch(fn, mean, cov, ts)

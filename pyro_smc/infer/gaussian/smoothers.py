@@ -53,7 +53,7 @@ from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.gaussian.observed import ObservationStatus, observation_status, observed_moments
 from pyro_smc.infer.gaussian.projections import Projection, Unscented, as_projection
 from pyro_smc.infer.gaussian.result import GaussianSmootherResult
-from pyro_smc.models.protocol import GaussianStateSpaceModel
+from pyro_smc.models.protocol import GaussianStateSpaceModel, require_gaussian_model
 from pyro_smc.observations import check_observations
 from pyro_smc.ops.affine_chain import compose_backward_kernels
 from pyro_smc.ops.gaussian import check_finite_steps, symmetrize
@@ -123,6 +123,7 @@ def _filter(ssm: GaussianStateSpaceModel, observations, projection: Projection) 
     # Each GP component's posterior is computed once for the pass (with its autograd graph when
     # the hyperparameters require grad, so that log_evidence is differentiable in them), not
     # once per projection.
+    require_gaussian_model(ssm, f"the Gaussian filter ({projection!r})")
     with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
         return _filter_pinned(ssm, observations, projection)
 

@@ -21,6 +21,7 @@ from torch import Tensor
 from pyro_smc.infer.model_state import plain_attributes
 from pyro_smc.infer.smc import smoothing
 from pyro_smc.infer.smc.compiled import CompiledStep, Weighed
+from pyro_smc.infer.smc.convergence import ConvergenceReport
 from pyro_smc.infer.smc.checks import ESTIMATOR_OPTION, check_marginal_supported
 from pyro_smc.infer.smc.importance import ParticleLayout, log_weight_terms, score_terms
 from pyro_smc.infer.smc.result import StepRecord
@@ -43,6 +44,9 @@ class StepSettings(NamedTuple):
         ess_threshold: resample a filter when its ESS falls below ``ess_threshold * N``.
         store_history: keep what :meth:`~pyro_smc.SMC.smooth` needs.
         compiled: the run's :class:`~pyro_smc.infer.smc.compiled.CompiledStep`, or ``None``.
+        report: within ``SMC.run``, the run's
+            :class:`~pyro_smc.infer.smc.convergence.ConvergenceReport` (``None``: every
+            unconverged solve warns at its step).
     """
 
     layout: ParticleLayout
@@ -50,6 +54,7 @@ class StepSettings(NamedTuple):
     ess_threshold: float
     store_history: bool
     compiled: CompiledStep | None = None
+    report: ConvergenceReport | None = None
 
     @property
     def estimator(self) -> GradientEstimator:
@@ -159,7 +164,7 @@ def finish(
     weighted = (dict(state), weights.log_weights)
     if history is not None:
         smoothing.record_weighted(history, state, weights.log_weights, layout)
-    weights, resampling = maybe_resample(state, weights, need, settings.resampler, discrete_keys, layout, inputs.where, flags)
+    weights, resampling = maybe_resample(state, weights, need, settings.resampler, discrete_keys, layout, inputs.where, flags, settings.report)
     if history is not None and resampling is not None:
         smoothing.record_resampling(history, need, resampling.ancestors, layout)
     if inputs.t is None:

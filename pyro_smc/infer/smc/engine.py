@@ -26,6 +26,7 @@ Reference:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import pyro.distributions as dist
@@ -36,6 +37,7 @@ from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.smc import checkpoint, smoothing
 from pyro_smc.infer.smc.advance import StepSettings, advance
 from pyro_smc.infer.smc.compiled import CompiledStep
+from pyro_smc.infer.smc.convergence import ConvergenceReport
 from pyro_smc.infer.smc.checks import (
     NonReparameterizedGradientWarning,
     ParticleDegeneracyWarning,
@@ -52,6 +54,7 @@ from pyro_smc.infer.smc.state import ParticleWeights, SMCState
 from pyro_smc.infer.smc.trace_checks import TraceChecks
 from pyro_smc.infer.smc.step import StepInputs, StepProgram
 from pyro_smc.observations import step_observation
+from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.resamplers import GradientEstimator, Resampler, SystematicResampler, estimator_of
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning", "ParticleDegeneracyWarning"]
@@ -158,6 +161,7 @@ class SMC:
         self._history: list[dict] = []  # per step, what smooth() needs (store_history)
         self._checks = TraceChecks(self.model, self._layout.particle_shape)
         self._compiled.reset()
+        self._report: ConvergenceReport | None = None  # set by run() for its steps
 
     @property
     def score_function(self) -> bool:
@@ -266,18 +270,26 @@ class SMC:
         schedule = observation_schedule(observations, self.num_filters, lengths=lengths, batched=batched)
         # A GP inside the model or guide computes its posterior once for the whole run (with its
         # graph when its hyperparameters require grad), not once per step.
+        report = ConvergenceReport()
         with pinned_posteriors(self.model, self.guide):
             self.init(*args, **kwargs)
-            for t, step in enumerate(tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False)):
-                # Observations were checked above, all at once.
-                self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active))
+            self._report = report  # after init(), which starts the run afresh
+            try:
+                for t, step in enumerate(tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False)):
+                    # Observations were checked above, all at once.
+                    self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active))
+            finally:
+                self._report = None
+        summary = report.summary(len(schedule))
+        if summary is not None:
+            warnings.warn(SinkhornConvergenceWarning(summary), stacklevel=2)
         warn_degenerate_weights(self.ess_history, self.num_particles)
         return self
 
     # --- one step: propose -> weigh -> summarise -> maybe resample -------------------------------
     def _advance(self, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs) -> None:
         """Takes one step (``inputs.t is None``: ``init``) and keeps what it made."""
-        settings = StepSettings(self._layout, self.resampler, self.ess_threshold, self.store_history, self._compiled)
+        settings = StepSettings(self._layout, self.resampler, self.ess_threshold, self.store_history, self._compiled, self._report)
         outcome = advance(settings, self._program, self._checks, self.state, self._weights, model_fn, guide_fn, inputs)
         if outcome.weights is None:
             return
@@ -293,19 +305,34 @@ class SMC:
         return self._compiled.reason
 
     @property
-    def log_weights(self) -> Tensor | None:
-        """``(B, N)`` normalised log-weights after the last step (``None`` before ``init``)."""
-        return None if self._weights is None else self._weights.log_weights
+    def log_weights(self) -> Tensor:
+        """``(B, N)`` normalised log-weights after the last step.
+
+        Raises:
+            RuntimeError: before anything was weighed (``run``, or ``init`` and a ``step``).
+        """
+        return self._weights_or_raise("log_weights").log_weights
+
+    def _weights_or_raise(self, name: str) -> ParticleWeights:
+        if self._weights is None:
+            raise RuntimeError(f"SMC.{name}: nothing has been filtered yet; call run(observations), or init() and then step(y)")
+        return self._weights
 
     def _state_log_weights(self) -> Tensor | None:
-        # What state._log_weights shows: SMCFilter's layout, (N,) with one filter.
-        log_w = self.log_weights
-        return log_w[0] if log_w is not None and self.num_filters == 1 else log_w
+        # What state._log_weights shows: SMCFilter's layout, (N,) with one filter; None before init.
+        if self._weights is None:
+            return None
+        log_w = self._weights.log_weights
+        return log_w[0] if self.num_filters == 1 else log_w
 
     @property
-    def log_evidence(self) -> Tensor | None:
-        """``(B,)`` ``log Z_hat`` of the steps so far, differentiable (``None`` before ``init``)."""
-        return None if self._weights is None else self._weights.log_evidence
+    def log_evidence(self) -> Tensor:
+        """``(B,)`` ``log Z_hat`` of the steps so far, differentiable.
+
+        Raises:
+            RuntimeError: before anything was weighed, naming what to call.
+        """
+        return self._weights_or_raise("log_evidence").log_evidence
 
     @property
     def records(self) -> tuple[StepRecord, ...]:

@@ -34,6 +34,7 @@ from pyro.nn import PyroModule
 from pyro.poutine.trace_struct import Trace
 from torch import Tensor
 
+from pyro_smc.infer.smc.convergence import ConvergenceReport
 from pyro_smc.infer.smc.importance import ParticleLayout, centred_increment, failure
 from pyro_smc.infer.smc.scores import add_scores
 from pyro_smc.infer.smc.state import ParticleWeights, SMCState
@@ -283,10 +284,13 @@ def maybe_resample(
     layout: ParticleLayout,
     where: str,
     flags: tuple[bool, bool] | None = None,
+    report: ConvergenceReport | None = None,
 ) -> tuple[ParticleWeights, Resampling | None]:
     """Resamples the filters ``need`` ``(B,)``, writing their new particles into ``state``.
 
     ``flags``, when given, is ``(need.any(), need.all())`` already read from the device.
+    ``report``, when given (within ``SMC.run``), collects the solver's convergence warnings
+    after the run's first (:mod:`~pyro_smc.infer.smc.convergence`).
 
     A float-coded label (``dist.Bernoulli``'s 0./1.) in ``discrete_keys`` travels as an integer
     tensor, which every resampler copies from one ancestor instead of averaging.
@@ -306,11 +310,11 @@ def maybe_resample(
         particles[key] = particles[key].long()
     log_w = weights.log_weights
     if all_need:
-        out = _call_resampler(resampler, particles, log_w, where)
+        out = _call_resampler(resampler, particles, log_w, where, report)
         new, new_log_w = out.particles, out.log_weights
     else:
         idx = need.nonzero().squeeze(-1)
-        out = _call_resampler(resampler, {k: v[idx] for k, v in particles.items()}, log_w[idx], where)
+        out = _call_resampler(resampler, {k: v[idx] for k, v in particles.items()}, log_w[idx], where, report)
         new = {k: particles[k].index_put((idx,), out.particles[k]) for k in particles}
         new_log_w = log_w.index_put((idx,), out.log_weights)
     restored = {key: value.to(labels[key]) if key in labels else value for key, value in new.items()}
@@ -322,7 +326,7 @@ def maybe_resample(
     return weights._replace(log_weights=new_log_w), Resampling(out.ancestors, converged)
 
 
-def _call_resampler(resampler: Callable, particles: dict[str, Tensor], log_weights: Tensor, where: str) -> Resampled:
+def _call_resampler(resampler: Callable, particles: dict[str, Tensor], log_weights: Tensor, where: str, report: ConvergenceReport | None = None) -> Resampled:
     """Calls the resampler, prefixing its Sinkhorn convergence warnings with ``where``.
 
     The solver cannot know the time step; the user needs it to find the hard step. Only resamplers
@@ -341,6 +345,7 @@ def _call_resampler(resampler: Callable, particles: dict[str, Tensor], log_weigh
         # filter raises here, pytest.warns sees them); also when the resampler raised.
         for record in caught:
             if issubclass(record.category, SinkhornConvergenceWarning):
-                warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
+                if report is None or report.add(where, str(record.message)):
+                    warnings.warn(SinkhornConvergenceWarning(f"at {where}: {record.message}"), stacklevel=2)
             else:
                 warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)

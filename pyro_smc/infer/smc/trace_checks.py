@@ -135,8 +135,10 @@ def warn_non_reparameterized(model_trace: Trace, guide_trace: Trace | None, wher
             NonReparameterizedGradientWarning(
                 f"at {where}: site '{site['name']}' ({_distribution_name(fn)}) is not reparameterised; "
                 f"the gradient of log_evidence does not include the score-function terms of its draws, "
-                f"so parameters that act only through this site get no (or a biased) gradient; use a "
-                f"reparameterisable or relaxed proposal, or marginalise the discrete variable"
+                f"so parameters that act only through this site get no (or a biased) gradient; use a resampler with "
+                f'gradient="stop_gradient" (e.g. SystematicResampler(gradient="stop_gradient")), which adds the '
+                f"score-function terms of every draw, a reparameterisable or relaxed proposal, or marginalise the "
+                f"discrete variable"
             ),
             stacklevel=3,
         )

@@ -4,6 +4,8 @@ warns (EPConvergenceWarning)."""
 
 import warnings
 
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 
@@ -99,3 +101,23 @@ def test_a_converged_run_and_a_single_sweep_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", _ep_convergence_warning())
         assert EPSmoother(linear).smooth(torch.ones(4, 2, dtype=torch.float64)).converged
+
+
+class _PyroProgram:
+    """A random walk written as a Pyro init/step program: SMC's kind of model, not EP's."""
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_0", dist.Normal(0.0, 1.0))
+
+    def step(self, state, y):
+        state["x"] = pyro.sample("x", dist.Normal(state["x"], 1.0))
+        pyro.sample("y", dist.Normal(state["x"], 1.0), obs=y)
+
+
+def test_a_pyro_program_gets_a_type_error_naming_what_it_lacks():
+    from pyro_smc.infer import gaussian_filter, unscented_rts_smoother
+
+    for call in (lambda: EPSmoother(_PyroProgram()), lambda: gaussian_filter(_PyroProgram(), torch.zeros(3, 1)),
+                 lambda: unscented_rts_smoother(_PyroProgram(), torch.zeros(3, 1))):
+        with pytest.raises(TypeError, match=r"needs a GaussianStateSpaceModel .* _PyroProgram without state_dim, obs_dim, init_mean.*runs on SMC"):
+            call()

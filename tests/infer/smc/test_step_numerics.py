@@ -208,6 +208,7 @@ def test_learnable_discrete_bootstrap_site_warns_once(wrap):
     message = str(caught[0].message)
     assert "site 'z_1'" in message and "Categorical" in message and "time step 1" in message
     assert "score-function" in message and "marginalise" in message
+    assert 'gradient="stop_gradient"' in message  # the library's own remedy, named
 
 
 def test_learnable_discrete_site_warns_under_svi():
@@ -274,12 +275,28 @@ def _run_resampling_every_step(resampler) -> SMC:
 
 
 def test_sinkhorn_warning_is_reemitted_with_time_step():
+    # Step by step, every step's warning is shown with its time step.
+    smc = SMC(AR1(torch.tensor(0.8), torch.tensor(0.0)), num_particles=N, resampler=_NonConvergingResampler(), ess_threshold=1.0)
     with pytest.warns((SinkhornConvergenceWarning, RuntimeWarning)) as record:
-        _run_resampling_every_step(_NonConvergingResampler())
+        smc.init()
+        for y in _data(torch.float64)[:5]:
+            smc.step(y)
     messages = [str(w.message) for w in record if issubclass(w.category, SinkhornConvergenceWarning)]
     assert "at time step 3: Sinkhorn stopped at max_iter=7 with marginal error 0.1" in messages
     assert all(m.startswith("at ") for m in messages)
     assert [str(w.message) for w in record if w.category is RuntimeWarning].count("unrelated") == len(messages)
+
+
+def test_run_shows_the_first_sinkhorn_warning_and_one_summary():
+    with pytest.warns((SinkhornConvergenceWarning, RuntimeWarning)) as record:
+        _run_resampling_every_step(_NonConvergingResampler())
+    messages = [str(w.message) for w in record if issubclass(w.category, SinkhornConvergenceWarning)]
+    assert len(messages) == 2, messages
+    assert messages[0] == "at time step 0: Sinkhorn stopped at max_iter=7 with marginal error 0.1"
+    assert messages[1].startswith("SMC.run: the Sinkhorn solve stopped above its threshold at 5 of 5 steps (time steps 0, 1, 2, 3, 4;")
+    assert "raise the resampler's max_iter or epsilon" in messages[1]
+    # Other warnings pass through at every step.
+    assert [str(w.message) for w in record if w.category is RuntimeWarning].count("unrelated") == 5
 
 
 def test_sinkhorn_warning_as_error_names_time_step():

@@ -159,3 +159,12 @@ def test_epidemiology_fit_mcmc_and_svi_on_smc(smc_as_smcfilter):
     seir = SimpleSEIRModel(100, 2.0, 7.0, [None] * 7)
     seir_data = seir.generate({"R0": 1.5, "rho": 0.5})["obs"]
     SimpleSEIRModel(100, 2.0, 7.0, seir_data).fit_mcmc(warmup_steps=1, num_samples=3, max_tree_depth=2)
+
+
+def test_log_evidence_and_weights_before_init_say_what_to_call():
+    smc = SMC(_lgssm(), num_particles=10)
+    for name in ("log_evidence", "log_weights"):
+        with pytest.raises(RuntimeError, match=rf"SMC\.{name}: nothing has been filtered yet; call run\(observations\)"):
+            getattr(smc, name)
+    smc.init().step(torch.zeros(2))
+    assert smc.log_evidence.shape == (1,) and smc.log_weights.shape == (1, 10)
