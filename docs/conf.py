@@ -13,9 +13,9 @@ stored in the notebooks (no execution).
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 import re
-import shutil
 import sys
 
 DOCS = pathlib.Path(__file__).resolve().parent
@@ -60,10 +60,28 @@ _NOTEBOOKS = {nb.name: nb for nb in sorted((ROOT / "tutorials").glob("*.ipynb"))
 for _copy in (DOCS / "tutorials").glob("*.ipynb"):
     if _copy.name not in _NOTEBOOKS:
         _copy.unlink()
+
+
+def _site_copy(notebook: pathlib.Path) -> bytes:
+    """The notebook as the site shows it: a download link to the repository's file under its
+    title (the repository's notebook stays plain Markdown, readable on GitHub and in Jupyter)."""
+    nb = json.loads(notebook.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        title, _, rest = "".join(cell["source"]).partition("\n")
+        if title.startswith("# "):
+            link = f"{{download}}`Download this notebook <../../tutorials/{notebook.name}>`"
+            cell["source"] = f"{title}\n\n{link} ({notebook.name}, with its outputs).\n{rest}"
+        break
+    return (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
+
+
 for _name, _nb in _NOTEBOOKS.items():
     _copy = DOCS / "tutorials" / _name
-    if not _copy.exists() or _copy.read_bytes() != _nb.read_bytes():
-        shutil.copyfile(_nb, _copy)
+    _site = _site_copy(_nb)
+    if not _copy.exists() or _copy.read_bytes() != _site:
+        _copy.write_bytes(_site)
 nb_execution_mode = "off"
 nb_merge_streams = True
 # The tutorial notebooks (not edited from here) put H3 headings under their H1 title.

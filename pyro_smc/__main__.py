@@ -1,4 +1,4 @@
-"""Quick-start demo: ``python -m pyro_smc``.
+"""Quick-start demo, run as ``python -m pyro_smc`` (``--help`` for its options).
 
 Runs the differentiable particle filter with optimal-transport resampling on the built-in 2-d
 linear-Gaussian model of Corenflos et al. (2021) and prints the log-evidence estimate beside the
@@ -23,13 +23,29 @@ from pyro_smc.ops.kalman import kalman_filter
 from pyro_smc.resamplers import OTResampler, SystematicResampler
 
 
+DESCRIPTION = """\
+The differentiable particle filter (SMC) with optimal-transport resampling and with systematic
+resampling, on a 2-d linear-Gaussian model, beside the exact Kalman answers: the log-evidence
+estimate log Z_hat (mean and sd over the filters), its gradient in the two transition
+coefficients theta, and the time of a forward and backward pass."""
+
+# What the table means; the numbers come from the run.
+READING = """\
+How to read this: Z_hat estimates Z without bias, so log Z_hat lies below log Z by about half
+its variance (OT sd {sd:.1f}: about {gap:.0f} nats). The gap shrinks like 1/N (--num-particles
+1000) or with a better proposal (a guide). OT's transport is differentiable, so its gradient
+follows the exact score up to Monte Carlo error and an O(epsilon) bias (here off by {ot:.1f});
+systematic resampling is not, and its gradient misses the resampling's terms, a bias that
+more particles do not remove (here off by {sys:.1f})."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pyro_smc", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-particles", type=int, default=100)
-    parser.add_argument("--num-filters", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--epsilon", type=float, default=0.5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(prog="python -m pyro_smc", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-particles", type=int, default=100, metavar="N", help="particles per filter (default: %(default)s)")
+    parser.add_argument("--num-filters", type=int, default=8, metavar="B", help="independent filters run side by side (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=150, metavar="T", help="length of the simulated series (default: %(default)s)")
+    parser.add_argument("--epsilon", type=float, default=0.5, help="OT regularisation, > 0 (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the filters (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1, or OMP_NUM_THREADS when set)")
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -49,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Every run first (their progress bars go to stderr), then the table: the bars never land
     # between its rows.
-    rows = []
+    rows, errors, sds = [], [], []
     for name, resampler in [("OT (eps=%g)" % args.epsilon, OTResampler(epsilon=args.epsilon)), ("systematic", SystematicResampler())]:
         ssm_theta = theta.clone().requires_grad_()
         ssm.A = torch.diag(ssm_theta)
@@ -58,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         (grad,) = torch.autograd.grad(smc.log_evidence.mean(), ssm_theta)
         elapsed = time.perf_counter() - start
         lz = smc.log_evidence.detach()
+        errors.append(float((grad - score).norm()))
+        sds.append(float(lz.std()) if lz.numel() > 1 else float("nan"))
         rows.append(
             f"{name:<22}{lz.mean():>16.2f} +- {lz.std():<8.2f}{exact.item():>12.2f}"
             f"{'(%.1f, %.1f)' % tuple(grad.tolist()):>22}{elapsed:>8.2f}s"
@@ -67,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(rows))
     print(f"{'exact Kalman score':<62}{'(%.1f, %.1f)' % tuple(score.tolist()):>22}")
     print(f"{args.num_filters} filters x {args.num_particles} particles, forward + backward, {torch.get_num_threads()} torch thread(s)")
+    print()
+    print(READING.format(sd=sds[0], gap=sds[0] ** 2 / 2, ot=errors[0], sys=errors[1]))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""ArviZ export: ``to_inference_data`` for :class:`~pyro_smc.SMC` runs, streaming filters and guides.
+"""ArviZ export: ``to_inference_data`` for :class:`~pyro_smc.SMC` runs, streaming filters, Gaussian results and guides.
 
 * An :class:`~pyro_smc.SMC` run becomes one chain per filter. The final weighted particles (after
   the last reweighting, before that step's resampling: ``SMC.weighted_particles``) are resampled
@@ -14,6 +14,14 @@
   along the draw dimension) and ``attrs`` the per-filter log-evidence and the smoothing method.
 * An :class:`~pyro_smc.OnlineVariationalFilter` becomes one chain of lagged smoothing draws
   ``x`` with dims ``(chain, draw, lag, state_dim)``; ``attrs`` holds the running ELBO.
+* A Gaussian result (of :class:`~pyro_smc.EPSmoother`, a Gaussian filter or smoother of
+  :mod:`pyro_smc.infer`, or the Kalman filter and RTS smoother of a
+  :class:`~pyro_smc.models.LinearGaussianSSM`) becomes ``num_chains`` chains of draws from its
+  marginals ``N(means[t], covariances[t])``, ``x`` with dims ``(chain, draw, time, x_dim_0)``.
+  Each time step is drawn on its own: the draws carry the marginals exactly (what ``az.summary``
+  and ``az.plot_forest`` read) but not the correlation between time steps, which these results do
+  not hold. ``attrs`` holds the method, the log-evidence, and for EP whether it converged and
+  each sweep's change.
 * Any guide (an ``AutoGuide`` such as :class:`~pyro_smc.guides.AutoKroneckerFlow`, or a
   :class:`~pyro_smc.guides.StreamingFilterGuide`) is sampled with ``pyro.infer.Predictive``:
   every latent site of the model goes to ``posterior``, split into ``num_chains`` chains.
@@ -39,6 +47,13 @@ Example:
     ('chain', 'draw', 'time', 'x_dim_0')
     >>> idata.posterior["x"].shape
     (2, 50, 10, 2)
+
+    An EP run's marginals:
+
+    >>> from pyro_smc import EPSmoother
+    >>> idata = to_inference_data(EPSmoother(ssm).smooth(ys), num_draws=400, num_chains=2)
+    >>> idata.posterior["x"].shape, idata.attrs["method"]
+    ((2, 200, 10, 2), 'EPSmoother')
 """
 
 from __future__ import annotations
@@ -50,8 +65,10 @@ import torch
 from pyro.infer import Predictive
 from torch import Tensor
 
+from pyro_smc.infer.gaussian import GaussianSmootherResult
 from pyro_smc.infer.online import OnlineVariationalFilter
 from pyro_smc.infer.smc import SMC
+from pyro_smc.ops.results import FilterResult, SmootherResult
 from pyro_smc.tracing import latent_sites, trace_program
 
 __all__ = ["to_inference_data"]
@@ -142,6 +159,44 @@ def _from_online(vf: OnlineVariationalFilter, num_draws: int | None, lag: int | 
     )
 
 
+GAUSSIAN_RESULTS = (GaussianSmootherResult, FilterResult, SmootherResult)
+
+
+def _from_gaussian(result, num_draws: int | None, num_chains: int, generator: torch.Generator | None):
+    import arviz as az
+
+    num_draws = 1000 if num_draws is None else int(num_draws)
+    if num_draws < 1 or num_chains < 1 or num_draws % num_chains:
+        raise ValueError(f"num_draws ({num_draws}) must be a positive multiple of num_chains ({num_chains})")
+    means, covs = result.means.detach(), result.covariances.detach()
+    if means.dim() != 2 or covs.shape != means.shape + means.shape[-1:]:
+        raise ValueError(f"to_inference_data: a Gaussian result needs means (T, d) and covariances (T, d, d), got {tuple(means.shape)} and {tuple(covs.shape)}")
+    chol, info = torch.linalg.cholesky_ex(covs)
+    if bool((info > 0).any()):
+        t = int((info > 0).nonzero()[0])
+        raise ValueError(f"to_inference_data: the covariance at time step {t} is not positive definite; its marginal cannot be sampled")
+    T, d = means.shape
+    noise = torch.randn((num_draws, T, d, 1), dtype=means.dtype, device=means.device, generator=generator)
+    draws = means + (chol @ noise).squeeze(-1)  # (S, T, d)
+    if isinstance(result, GaussianSmootherResult) and result.history:
+        method = "EPSmoother"
+    else:
+        method = {FilterResult: "Kalman filter", SmootherResult: "RTS smoother"}.get(type(result), "Gaussian smoother")
+    attrs: dict[str, Any] = {"inference_library": "pyro_smc", "method": method, "marginal_draws": "independent across time"}
+    log_evidence = result.log_evidence
+    if log_evidence is not None:
+        attrs["log_evidence"] = float(log_evidence.detach())
+    if method == "EPSmoother":
+        attrs["converged"] = int(result.converged)
+        attrs["ep_changes"] = [float(it.change) for it in result.history]
+    return az.from_dict(
+        posterior={"x": _numpy(draws).reshape((num_chains, num_draws // num_chains, T, d))},
+        coords={"time": np.arange(T)},
+        dims={"x": ["time", "x_dim_0"]},
+        attrs=attrs,
+    )
+
+
 def _latent_sites(model: Callable, args, kwargs) -> dict[str, torch.Size]:
     trace = trace_program(model, *args, **kwargs)
     return {name: trace.nodes[name]["value"].shape for name in latent_sites(trace)}
@@ -177,18 +232,23 @@ def to_inference_data(
     smoothing: str | None = None,
     **kwargs,
 ):
-    """ArviZ ``InferenceData`` from an ``SMC`` run, an ``OnlineVariationalFilter`` or a guide.
+    """ArviZ ``InferenceData`` from an ``SMC`` run, an ``OnlineVariationalFilter``, a Gaussian
+    result (EP, the Gaussian filters and smoothers, Kalman) or a guide.
 
     Args:
-        obj: a run :class:`~pyro_smc.SMC`, an :class:`~pyro_smc.OnlineVariationalFilter`, or a guide.
+        obj: a run :class:`~pyro_smc.SMC`, an :class:`~pyro_smc.OnlineVariationalFilter`, a
+            :class:`~pyro_smc.infer.GaussianSmootherResult` (or the Kalman filter's and RTS
+            smoother's results), or a guide.
         *args: the model's positional arguments (guides only).
         **kwargs: the model's keyword arguments (guides only).
         model: the model a guide approximates (defaults to ``guide.model``).
         num_draws: draws per chain for SMC (default: the number of particles); total draws for
-            a guide or a streaming filter (default 1000).
-        num_chains: chains to split a guide's draws into (SMC uses one chain per filter).
+            a guide, a Gaussian result or a streaming filter (default 1000).
+        num_chains: chains to split a guide's or a Gaussian result's draws into (SMC uses one
+            chain per filter).
         lag: how far back a streaming filter's smoothing draws go (default: its whole window).
-        generator: random generator for SMC's equal-weight resampling (not with ``smoothing``).
+        generator: random generator for SMC's equal-weight resampling (not with ``smoothing``)
+            and a Gaussian result's draws.
         smoothing: SMC only: export smoothed trajectories drawn by ``SMC.smooth(num_draws,
             method=smoothing)`` (``"ffbs"``, ``"rejection"`` or ``"genealogy"``) instead of the final
             filtering particles; the engine must be built with ``store_history=True``. The draws
@@ -201,11 +261,13 @@ def to_inference_data(
         *event)`` (dims ``chain, draw, x_dim_0, ...``); with ``smoothing`` it becomes
         ``(num_filters, num_draws, T, *event)`` (dims ``chain, draw, time, x_dim_0, ...``, ``T``
         the number of steps taken). ``sample_stats["log_evidence"]`` is ``(num_filters, num_draws)``.
+        A Gaussian result gives ``x`` of shape ``(num_chains, num_draws / num_chains, T, d)``.
 
     Raises:
         ValueError: an SMC that has not been run, ``smoothing`` on an engine without
             ``store_history=True`` or with ``generator``, ``num_draws < 1``, a guide's
-            ``num_draws`` not a multiple of ``num_chains``, or an object of another type.
+            ``num_draws`` not a multiple of ``num_chains``, a Gaussian result whose covariance
+            is not positive definite (naming the time step), or an object of another type.
 
     Example:
         >>> import torch
@@ -231,6 +293,8 @@ def to_inference_data(
         return _from_smc(obj, num_draws, generator)
     if isinstance(obj, OnlineVariationalFilter):
         return _from_online(obj, num_draws, lag)
+    if isinstance(obj, GAUSSIAN_RESULTS):
+        return _from_gaussian(obj, num_draws, num_chains, generator)
     if callable(obj):
         return _from_guide(obj, model, args, kwargs, num_draws, num_chains)
-    raise ValueError(f"to_inference_data: cannot convert a {type(obj).__name__}; pass an SMC, an OnlineVariationalFilter or a guide")
+    raise ValueError(f"to_inference_data: cannot convert a {type(obj).__name__}; pass an SMC, an OnlineVariationalFilter, a Gaussian result or a guide")

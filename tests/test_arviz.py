@@ -172,3 +172,56 @@ def test_smc_smoothed_errors():
         to_inference_data(lambda: None, smoothing="ffbs")
     # Existing calls on a history-keeping engine still export the filtering particles.
     assert to_inference_data(smc).posterior["x"].shape == (1, 20, 2)
+
+
+# --- Gaussian results --------------------------------------------------------------------------
+def _gaussian_problem():
+    from pyro_smc.models import LinearGaussianSSM
+
+    eye = torch.eye(2)
+    ssm = LinearGaussianSSM(0.7 * eye, 0.5 * eye, eye, 0.3 * eye, torch.zeros(2), eye)
+    _, ys = ssm.simulate(12, generator=torch.Generator().manual_seed(3))
+    return ssm, ys
+
+
+@pytest.mark.parametrize("kind", ["ep", "rts", "kalman", "urtss"])
+def test_gaussian_result_draws_have_its_marginals(kind):
+    """Draws from a Gaussian result's marginals: their mean within 5 sigma / sqrt(n) of the
+    result's mean at every step and entry, their variance within 5 of its standard errors."""
+    from pyro_smc import EPSmoother
+    from pyro_smc.infer import unscented_rts_smoother
+
+    ssm, ys = _gaussian_problem()
+    result = {
+        "ep": lambda: EPSmoother(ssm).smooth(ys),
+        "rts": lambda: ssm.rts_smoother(ys),
+        "kalman": lambda: ssm.kalman_filter(ys),
+        "urtss": lambda: unscented_rts_smoother(ssm, ys),
+    }[kind]()
+    n = 4000
+    idata = to_inference_data(result, num_draws=n, num_chains=4, generator=torch.Generator().manual_seed(0))
+    x = torch.as_tensor(idata.posterior["x"].values)  # (4, 1000, T, d)
+    assert x.shape == (4, n // 4, 12, 2) and idata.posterior["x"].dims == ("chain", "draw", "time", "x_dim_0")
+    flat = x.reshape(n, 12, 2)
+    var = result.covariances.diagonal(dim1=-2, dim2=-1)
+    assert ((flat.mean(0) - result.means).abs() < 5 * (var / n).sqrt()).all()
+    assert ((flat.var(0) - var).abs() < 5 * var * (2 / (n - 1)) ** 0.5).all()
+    expected = {"ep": "EPSmoother", "rts": "RTS smoother", "kalman": "Kalman filter", "urtss": "Gaussian smoother"}[kind]
+    assert idata.attrs["method"] == expected
+    assert idata.attrs["log_evidence"] == pytest.approx(float(ssm.log_evidence(ys)), abs=1e-6)  # exact on a linear model
+    if kind == "ep":
+        assert idata.attrs["converged"] == 1 and len(idata.attrs["ep_changes"]) == len(result.history)
+    summary = az.summary(idata, var_names=["x"], kind="stats")
+    assert len(summary) == 24
+
+
+def test_gaussian_result_errors_name_the_problem():
+    from pyro_smc.infer import GaussianSmootherResult
+
+    ssm, ys = _gaussian_problem()
+    with pytest.raises(ValueError, match="multiple of num_chains"):
+        to_inference_data(ssm.rts_smoother(ys), num_draws=10, num_chains=3)
+    covs = torch.eye(2).repeat(4, 1, 1)
+    covs[2, 1, 1] = -1.0
+    with pytest.raises(ValueError, match="time step 2"):
+        to_inference_data(GaussianSmootherResult(torch.zeros(4, 2), covs))

@@ -70,6 +70,29 @@ def test_every_readme_and_docs_python_block_is_marked_and_tested():
     assert set(names) <= tested, f"examples without a test: {set(names) - tested}"
 
 
+# The site's content column holds about 88 characters of code at a 1400-pixel window (furo);
+# tutorials/ruff.toml holds the notebooks' cells to the same limit in the lint.
+CODE_WIDTH = 88
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def test_code_blocks_and_tutorial_cells_fit_the_page():
+    """No line of a fenced block of the README and the docs pages, nor of a tutorial's code
+    cell, is wider than CODE_WIDTH (a wider one scrolls sideways on the site)."""
+    import json
+
+    wide = []
+    for page in example_pages():
+        for block in _FENCE.findall(page.read_text()):
+            wide += [f"{page.relative_to(ROOT)}: {len(line)}: {line}" for line in block.splitlines() if len(line) > CODE_WIDTH]
+    for notebook in sorted((ROOT / "tutorials").glob("*.ipynb")):
+        for k, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                lines = "".join(cell["source"]).splitlines()
+                wide += [f"{notebook.name} cell {k}: {len(line)}: {line}" for line in lines if len(line) > CODE_WIDTH]
+    assert not wide, "\n".join(wide)
+
+
 def _readme_ar1_mle(ys):
     """Exact maximum-likelihood theta of the README's AR(1) (Kalman log-likelihood on a grid)."""
     from pyro_smc.models import LinearGaussianSSM
@@ -83,13 +106,13 @@ def _readme_ar1_mle(ys):
 
 # The README's SVI example, as printed (Adam at lr 0.1, 100 steps), learns theta on every data seed
 # tried: final theta against the exact MLE on data seeds 0-7 (commands and numbers in the README's
-# section on learning). The default run checks the first 50 steps of two seeds (seed 7 has the
-# highest MLE, 0.885, seed 4 the lowest, 0.61, which Adam overshoots before settling);
-# PYRO_SMC_FULL=1 runs the printed 100 steps on eight seeds.
+# section on learning). The default run checks the first 50 steps of seed 7 (the highest MLE,
+# 0.885); PYRO_SMC_FULL=1 runs the printed 100 steps on eight seeds, among them seed 4 (the lowest
+# MLE, 0.61, which Adam overshoots before settling).
 FULL = os.environ.get("PYRO_SMC_FULL") == "1"
 
 
-@pytest.mark.parametrize("data_seed", list(range(8)) if FULL else [4, 7])
+@pytest.mark.parametrize("data_seed", list(range(8)) if FULL else [7])
 def test_readme_example_learns(data_seed):
     code = readme_example("smc-svi")
     assert "range(100):\n    svi" in code
@@ -104,7 +127,7 @@ def test_readme_example_learns(data_seed):
     assert torch.isfinite(namespace["smc"].log_evidence).all()
     theta, mle = float(namespace["model"].theta.detach()), _readme_ar1_mle(namespace["ys"])
     # Measured |theta - MLE| after 100 steps: at most 0.03 over eight seeds; after 50 steps at
-    # most 0.045 on these two. The stationary noise of Adam at lr 0.1 is about 0.02.
+    # most 0.045 on seeds 4 and 7. The stationary noise of Adam at lr 0.1 is about 0.02.
     assert abs(theta - mle) < (0.05 if FULL else 0.08), (theta, mle)
 
 
@@ -199,6 +222,10 @@ def test_tutorial_smoke(notebook, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("CI", "1")
+    # The kernel is a process of its own: one intra-op thread, as the suite's (conftest.py) and
+    # the README's advice for small problems; with torch's default a kernel beside a busy test
+    # worker waits on its threads several times over.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(str(notebook), as_version=4)
     start = time.time()
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(notebook.parent)}}).execute()

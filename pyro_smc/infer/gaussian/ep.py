@@ -74,7 +74,7 @@ from pyro_smc.infer.gaussian.factors import Factors
 from pyro_smc.infer.gaussian.observed import observation_status
 from pyro_smc.infer.gaussian.parallel import ParallelSchedule
 from pyro_smc.infer.gaussian.projections import Projection, as_projection
-from pyro_smc.infer.gaussian.result import EPState, GaussianSmootherResult
+from pyro_smc.infer.gaussian.result import EPIteration, EPState, GaussianSmootherResult
 from pyro_smc.infer.gaussian.schedule import EPProblem, EPRun, EPSettings, FixedPointMap, WarmStart
 from pyro_smc.infer.gaussian.sequential import SequentialSchedule
 from pyro_smc.infer.gaussian.sites import failure_hint
@@ -82,6 +82,7 @@ from pyro_smc.models.protocol import GaussianStateSpaceModel, require_gaussian_m
 from pyro_smc.observations import check_observations
 from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.gaussian import check_finite_steps
+from pyro_smc.progress import logger, progress, progress_enabled
 
 __all__ = ["EPConvergenceWarning", "EPSmoother"]
 
@@ -132,6 +133,10 @@ class EPSmoother:
             (``docs/math/ep.md#the-parallel-schedule``); the same fixed points, far fewer
             operations per iteration. Requires ``power=1``. ``history`` counts the first
             sweep and then the parallel iterations.
+        progress_bar: a tqdm bar over the sweeps of :meth:`smooth` (its postfix the last
+            change): ``None`` (default) in interactive use only, ``True`` always, ``False``
+            never (:mod:`pyro_smc.progress`). Each sweep is also logged at ``DEBUG`` to the
+            ``pyro_smc`` logger.
 
     An update whose cavity is not a proper Gaussian is skipped; one that would make the marginal
     improper is retried with the damping halved (up to three times) and then skipped. Both are
@@ -182,6 +187,7 @@ class EPSmoother:
         tol: float = 1e-6,
         gradient: str = "implicit",
         schedule: str = "sequential",
+        progress_bar: bool | None = None,
     ):
         strategy = as_projection(projection)
         if int(max_iter) < 1:
@@ -207,12 +213,14 @@ class EPSmoother:
         self.gradient = gradient
         self.schedule = schedule
         self.strategy = strategy
+        self.progress_bar = progress_bar
+        progress_enabled(progress_bar)  # its TypeError, at construction
 
-    def _schedule(self) -> SequentialSchedule | ParallelSchedule:
+    def _schedule(self, on_iteration=None) -> SequentialSchedule | ParallelSchedule:
         """The schedule object of this run: built per call, so that a changed attribute (a fit's
         copy with ``gradient="unroll"``, another ``max_iter``) takes effect. With one sweep
         there is nothing to schedule in parallel."""
-        settings = EPSettings(self.max_iter, self.damping, self.power, self.tol)
+        settings = EPSettings(self.max_iter, self.damping, self.power, self.tol, on_iteration)
         kind = SCHEDULES[self.schedule] if self.max_iter > 1 else SequentialSchedule
         return kind(Factors(self.ssm, self.strategy), settings)
 
@@ -259,16 +267,9 @@ class EPSmoother:
         ssm = self.ssm
         ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
         problem = EPProblem(ys, observed, observation_status(ys))
-        schedule = self._schedule()
-        start = self._warm_start(init, schedule.name, problem)
-        implicit = self.gradient == "implicit" and self.max_iter > 1 and torch.is_grad_enabled()
-        with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
-            # Implicit mode iterates without a graph; the gradient comes from one more sweep.
-            with torch.no_grad() if implicit else contextlib.nullcontext():
-                run = schedule.iterate(problem, start)
-            values = (run.means, run.covariances, run.increments)
-            if implicit:
-                values = self._with_implicit_gradient(schedule.fixed_point(problem, run), run)
+        bar = progress(desc=f"EPSmoother ({self.schedule})", total=self.max_iter, enabled=progress_enabled(self.progress_bar))
+        with bar:
+            run, values, schedule = self._iterate(problem, init, _Reporter(bar))
         means, covs, increments = values
         check_finite_steps("EPSmoother", {"marginal mean": means, "marginal covariance": covs, "log-evidence increment": increments}, failure_hint(None))
         if not run.converged and self.max_iter > 1:
@@ -285,6 +286,22 @@ class EPSmoother:
             log_evidence=increments.sum(0), log_evidence_increments=increments,
             ep_state=EPState(schedule.name, run.theta.detach(), tuple(problem.status)),
         )
+
+    def _iterate(self, problem: EPProblem, init: GaussianSmootherResult | None, on_iteration) -> tuple:
+        """The schedule's run from ``init`` (or cold), its outputs with their gradient, and the
+        schedule: ``(run, (means, covariances, increments), schedule)``."""
+        ssm = self.ssm
+        schedule = self._schedule(on_iteration)
+        start = self._warm_start(init, schedule.name, problem)
+        implicit = self.gradient == "implicit" and self.max_iter > 1 and torch.is_grad_enabled()
+        with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
+            # Implicit mode iterates without a graph; the gradient comes from one more sweep.
+            with torch.no_grad() if implicit else contextlib.nullcontext():
+                run = schedule.iterate(problem, start)
+            values = (run.means, run.covariances, run.increments)
+            if implicit:
+                values = self._with_implicit_gradient(schedule.fixed_point(problem, run), run)
+        return run, values, schedule
 
     def _warm_start(self, init: GaussianSmootherResult | None, schedule: str, problem: EPProblem) -> WarmStart | None:
         """Where to start from (detached), or ``None`` for a cold start."""
@@ -326,3 +343,16 @@ class EPSmoother:
             # path to z, whose hook raises, so no refused backward pass consumes a shared graph.
             return tuple(v.detach() + 0 * z.sum() for v in values)
         return tuple(v.detach() + (g - g.detach()) for v, g in zip(values, fixed_point.outputs(z)))
+
+
+class _Reporter:
+    """Called with each sweep as it is recorded: the bar moves on and the sweep is logged."""
+
+    def __init__(self, bar):
+        self.bar, self.count = bar, 0
+
+    def __call__(self, iteration: EPIteration) -> None:
+        self.count += 1
+        self.bar.update(1)
+        self.bar.set_postfix(change=f"{iteration.change:.3g}", refresh=False)
+        logger.debug("EPSmoother: sweep %d, largest change %.3g, %d updates skipped", self.count, iteration.change, iteration.skipped)

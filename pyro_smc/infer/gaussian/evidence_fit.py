@@ -25,6 +25,7 @@ sweeps; an EP run that did not converge is never differentiated implicitly (see
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.infer.gaussian.ep import EPConvergenceWarning
+from pyro_smc.progress import logger, progress, progress_enabled
 
 __all__ = ["fit_evidence"]
 
@@ -47,6 +49,7 @@ def fit_evidence(
     on_nonconvergence: str = "raise",
     callback: Callable[[int, float], None] | None = None,
     warm_start: bool = True,
+    progress_bar: bool | None = None,
 ) -> list[float]:
     """Maximises the smoother's ``log_evidence`` over the model's parameters.
 
@@ -72,6 +75,10 @@ def fit_evidence(
         warm_start: start each step's EP run on a sequence from where the previous step's
             stopped (``smooth(y, init=previous)``): the parameters moved a little, so EP needs
             few iterations and no first sweep. Off: every step starts from the first sweep.
+        progress_bar: a tqdm bar over the steps (its postfix the loss): ``None`` (default) in
+            interactive use only, ``True`` always, ``False`` never (:mod:`pyro_smc.progress`);
+            the smoother's own bar is off meanwhile. Each step's loss is also logged at
+            ``DEBUG`` to the ``pyro_smc`` logger.
 
     Returns:
         The loss ``-sum log_evidence / total number of time steps`` at every step, as floats.
@@ -128,7 +135,8 @@ def fit_evidence(
     previous: list = [None] * len(sequences)
     # This loop has its own policy for runs that stopped at max_iter (on_nonconvergence, and one
     # warning at the end), so the smoother's per-run EPConvergenceWarning would only repeat it.
-    with torch.enable_grad(), warnings.catch_warnings():
+    bar = progress(desc="fit_evidence", total=int(num_steps), enabled=progress_enabled(progress_bar))
+    with torch.enable_grad(), warnings.catch_warnings(), bar, _inner_bar_off(smoother):
         warnings.simplefilter("ignore", EPConvergenceWarning)
         for step in range(int(num_steps)):
             optimizer.zero_grad()
@@ -141,6 +149,9 @@ def fit_evidence(
             _check_gradients(fitted, names, step)
             optimizer.step()
             losses.append(float(loss.detach()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.5g}", refresh=False)
+            logger.debug("fit_evidence: step %d, loss %.6g", step, losses[-1])
             if callback is not None:
                 callback(step, losses[-1])
     if unrolled:
@@ -149,6 +160,19 @@ def fit_evidence(
             RuntimeWarning, stacklevel=2,
         )
     return losses
+
+
+@contextlib.contextmanager
+def _inner_bar_off(smoother):
+    """The smoother's own progress bar off for the fit (one bar per EP run would be noise)."""
+    if not hasattr(smoother, "progress_bar"):
+        yield
+        return
+    old, smoother.progress_bar = smoother.progress_bar, False
+    try:
+        yield
+    finally:
+        smoother.progress_bar = old
 
 
 def _as_sequences(observations) -> list:

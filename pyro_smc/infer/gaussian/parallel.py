@@ -196,7 +196,7 @@ class ParallelSchedule:
             fitted = self.checked_iteration(cavities, theta, problem, gamma, len(history))
             change = max(float((fitted.means - means).detach().abs().max()), float((fitted.covariances - covs).detach().abs().max()))
             theta, means, covs = fitted.theta, fitted.means, fitted.covariances
-            history.append(EPIteration(change, fitted.skipped))
+            settings.record(history, EPIteration(change, fitted.skipped))
             # The change the undamped map would make, so that damping cannot fake convergence.
             residual, previous = change / step, residual
             if residual < settings.tol:
@@ -227,7 +227,9 @@ class ParallelSchedule:
         if theta is None:
             sites, first = self.sequential.sweeps(problem, sweeps=1)
             return cavities.of_sites(sites), first.first_sweep, first.history
-        return theta, GaussianSmootherResult(run.means, run.covariances), [EPIteration(float("inf"), 0)]
+        history: list[EPIteration] = []
+        self.settings.record(history, EPIteration(float("inf"), 0))
+        return theta, GaussianSmootherResult(run.means, run.covariances), history
 
     def _cavities_of_pass(self, cavities: CavityLayout, run: SmootherPass) -> Tensor | None:
         # The cavities of the first sweep (see first_sweep), packed; None if one is not proper.

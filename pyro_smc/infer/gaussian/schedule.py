@@ -38,6 +38,9 @@ class EPSettings(NamedTuple):
         damping: ``gamma`` in ``(0, 1]``, from the second sweep on.
         power: ``alpha`` in ``(0, 1]`` of power EP, from the second sweep on.
         tol: stop when no marginal's mean or covariance entry changed by more than this.
+        on_iteration: called with each sweep's (or iteration's)
+            :class:`~pyro_smc.infer.gaussian.result.EPIteration` as it is recorded: the
+            smoother's progress bar and log.
 
     Example:
         >>> EPSettings(5, 0.5, 1.0, 1e-4).damping
@@ -48,6 +51,13 @@ class EPSettings(NamedTuple):
     damping: float
     power: float
     tol: float
+    on_iteration: Callable[[EPIteration], None] | None = None
+
+    def record(self, history: list[EPIteration], iteration: EPIteration) -> None:
+        """Appends ``iteration`` to ``history`` and reports it."""
+        history.append(iteration)
+        if self.on_iteration is not None:
+            self.on_iteration(iteration)
 
 
 class EPProblem(NamedTuple):

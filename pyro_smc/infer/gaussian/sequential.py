@@ -87,7 +87,7 @@ class SequentialSchedule:
             change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
             if not bool(torch.isfinite(means).all() & torch.isfinite(covs).all()):  # or the sweeps would go on to max_iter
                 raise non_finite_error(sites, len(history))
-            history.append(EPIteration(change, skipped))
+            self.settings.record(history, EPIteration(change, skipped))
             if first:
                 first_sweep = GaussianSmootherResult(means, covs)
             previous = (means, covs)

@@ -66,7 +66,6 @@ import pyro
 import pyro.poutine as poutine
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from pyro_smc.checks import int_at_least, positive_float, positive_int
 from pyro_smc.guides.streaming.family import StreamingFamily, marginal_covariance
@@ -79,6 +78,7 @@ from pyro_smc.infer.online.objective import StepOptimiser
 from pyro_smc.infer.online.result import OnlineFilterResult
 from pyro_smc.infer.online.start import initialise
 from pyro_smc.observations import check_observations
+from pyro_smc.progress import progress, progress_enabled
 from pyro_smc.regression import Regressor, make_regressor
 from pyro_smc.tracing import module_context
 
@@ -129,7 +129,8 @@ class OnlineVariationalFilter:
         learn_parameters: update the model's parameters online.
         parameter_lr: ``eta_0`` of the Robbins-Monro schedule, or a callable ``t -> eta_t``.
         state_key: the ``state`` entry holding the latent (found automatically when ``None``).
-        progress_bar: show a tqdm progress bar in :meth:`run`.
+        progress_bar: a tqdm bar in :meth:`run`: ``None`` (default) in interactive use only,
+            ``True`` always, ``False`` never (:mod:`pyro_smc.progress`).
 
     Attributes:
         t: the number of observations assimilated since :meth:`init`.
@@ -182,7 +183,7 @@ class OnlineVariationalFilter:
         learn_parameters: bool = False,
         parameter_lr: float | Callable[[int], float] = 0.01,
         state_key: str | None = None,
-        progress_bar: bool = False,
+        progress_bar: bool | None = None,
     ):
         check_settings(model, guide, state_key, initialize)
         lr = positive_float("lr", lr)
@@ -205,7 +206,8 @@ class OnlineVariationalFilter:
         self._learner = ParameterLearner(copy.deepcopy(self._value_regressor), self.parameter_schedule)
         warn_if_few_regression_samples(self._value_regressor, guide.state_dim, self.num_regression_samples)
         self._state_key = state_key
-        self.progress_bar = bool(progress_bar)
+        self.progress_bar = progress_bar
+        progress_enabled(progress_bar)  # its TypeError, at construction
         self.lr = lr
         self.initial_lr = 10.0 * self.lr if initial_lr is None else positive_float("initial_lr", initial_lr)
         self._optimiser = StepOptimiser(guide, lr=self.lr, initial_lr=self.initial_lr, num_iterations=self.num_iterations, num_samples=self.num_samples, tol=self.tol)
@@ -303,7 +305,7 @@ class OnlineVariationalFilter:
         for t, y in enumerate(observations):
             observation_missing(y, t, None)
         self.init(*args, **kwargs)
-        for y in tqdm(observations, desc="OnlineVariationalFilter", disable=not self.progress_bar, leave=False):
+        for y in progress(observations, desc="OnlineVariationalFilter", enabled=progress_enabled(self.progress_bar)):
             self.step(y, *args, **kwargs)
         return self
 

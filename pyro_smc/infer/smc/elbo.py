@@ -156,6 +156,7 @@ class SMCELBO(ELBO):
             num_filters=num_filters,
             max_plate_nesting=self.max_plate_nesting,
             compile=self.compile,
+            progress_bar=False,  # one run per SVI step: a bar each time would be noise
         )
         # Collapsed weights are reported once per loss object, not at every SVI step (the counts
         # in the message would defeat Python's once-per-location filter).

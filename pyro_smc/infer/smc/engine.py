@@ -27,11 +27,11 @@ Reference:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pyro.distributions as dist
+import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.smc import checkpoint, smoothing
@@ -54,6 +54,7 @@ from pyro_smc.infer.smc.state import ParticleWeights, SMCState
 from pyro_smc.infer.smc.trace_checks import TraceChecks
 from pyro_smc.infer.smc.step import StepInputs, StepProgram
 from pyro_smc.observations import step_observation
+from pyro_smc.progress import progress, progress_enabled
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.resamplers import GradientEstimator, Resampler, SystematicResampler, estimator_of
 
@@ -76,7 +77,9 @@ class SMC:
             in ``(0, 1]``.
         num_filters: independent filters ``B`` run in one vectorised pass, on one sequence or
             one each on a batch of ``B`` sequences (``run(..., batched=True)``).
-        progress_bar: show a tqdm progress bar in :meth:`run` (off by default; the CLI demo turns it on).
+        progress_bar: a tqdm bar in :meth:`run` and :meth:`smooth`: ``None`` (default) in
+            interactive use only (a terminal or a Jupyter kernel with widgets; never under
+            pytest or ``CI``), ``True`` always, ``False`` never (:mod:`pyro_smc.progress`).
         store_history: keep, per step, what :meth:`smooth` needs (the weighted particles, their
             parents and the latent sites' distributions; memory ``O(T B N)``; off by default).
         compile: replay a recording of a regular step instead of re-running the program
@@ -126,7 +129,7 @@ class SMC:
         resampler: Callable | None = None,
         ess_threshold: float = 0.5,
         num_filters: int = 1,
-        progress_bar: bool = False,
+        progress_bar: bool | None = None,
         store_history: bool = False,
         compile: bool | None = None,
     ):
@@ -141,7 +144,8 @@ class SMC:
         self.max_plate_nesting = int(max_plate_nesting)
         self.resampler = resampler if resampler is not None else SystematicResampler()
         self.ess_threshold = float(ess_threshold)
-        self.progress_bar = bool(progress_bar)
+        self.progress_bar = progress_bar
+        progress_enabled(progress_bar)  # its TypeError, at construction
         self.store_history = bool(store_history)
         # Fixed for the engine's life; read several times per step.
         self._layout = ParticleLayout(self.num_filters, self.num_particles, self.max_plate_nesting)
@@ -275,7 +279,7 @@ class SMC:
             self.init(*args, **kwargs)
             self._report = report  # after init(), which starts the run afresh
             try:
-                for t, step in enumerate(tqdm(schedule, desc="SMC", disable=not self.progress_bar, leave=False)):
+                for t, step in enumerate(progress(schedule, desc="SMC", enabled=progress_enabled(self.progress_bar))):
                     # Observations were checked above, all at once.
                     self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active))
             finally:
@@ -416,7 +420,55 @@ class SMC:
         """
         check_smooth_request(self.store_history, self._history, method, num_samples, self.max_plate_nesting)
         has_ancestors = isinstance(self.resampler, Resampler) and self.resampler.draws_ancestors
-        return smoothing.smooth(self._history, num_samples, method, self._layout, has_ancestors, max_rounds=max_rounds)
+        return smoothing.smooth(
+            self._history, num_samples, method, self._layout, has_ancestors, max_rounds=max_rounds, progress_bar=progress_enabled(self.progress_bar)
+        )
+
+    def filtering_quantiles(self, probs: Sequence[float], key: str | None = None) -> Tensor:
+        """Weighted quantiles of the filtering distribution of a state entry at every step (the
+        particles after each step's reweighting, before resampling; needs
+        ``store_history=True``).
+
+        Args:
+            probs: levels in ``[0, 1]``, e.g. ``(0.05, 0.5, 0.95)``.
+            key: the state key (default: the only one).
+
+        Returns:
+            ``(len(probs), T, B, *event)``, entry by entry.
+
+        Raises:
+            RuntimeError: built without ``store_history=True``, or nothing filtered yet.
+            ValueError: a level outside ``[0, 1]``, an unknown key (or none given with several),
+                or a key holding integer labels.
+
+        Example:
+            >>> import torch
+            >>> from pyro_smc import SMC
+            >>> from pyro_smc.models import LinearGaussianSSM
+            >>> eye = torch.eye(1)
+            >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
+            >>> _, ys = ssm.simulate(8)
+            >>> smc = SMC(ssm, num_particles=500, store_history=True).run(ys)
+            >>> smc.filtering_quantiles([0.05, 0.5, 0.95]).shape      # (Q, T, B, d)
+            torch.Size([3, 8, 1, 1])
+        """
+        if not self.store_history:
+            raise RuntimeError("SMC.filtering_quantiles needs the particle history: build the engine with SMC(..., store_history=True)")
+        if not self._history:
+            raise RuntimeError("SMC.filtering_quantiles: nothing has been filtered yet; call run(observations)")
+        keys = list(self._history[-1]["state"])
+        if key is None:
+            if len(keys) != 1:
+                raise ValueError(f"SMC.filtering_quantiles: the state has several keys {keys}; pass key=")
+            key = keys[0]
+        if key not in keys:
+            raise ValueError(f"SMC.filtering_quantiles: unknown key {key!r}; the state holds {keys}")
+        if not self._history[-1]["state"][key].is_floating_point():
+            raise ValueError(f"SMC.filtering_quantiles: {key!r} holds labels; read their filtering probabilities from filtering_means")
+        levels = torch.as_tensor(list(probs), dtype=self._history[-1]["log_weights"].dtype)
+        if levels.dim() != 1 or not bool(((levels >= 0) & (levels <= 1)).all()):
+            raise ValueError(f"SMC.filtering_quantiles: probs must be levels in [0, 1], got {list(probs)}")
+        return smoothing.filtering_quantiles(self._history, levels.to(self._history[-1]["log_weights"].device), key)
 
     def get_empirical(self) -> dict[str, dist.Empirical]:
         """Each state tensor's weighted particles as ``SMCFilter`` returns them (batch ``(B,)`` if ``B > 1``)."""

@@ -55,6 +55,7 @@ from torch.distributions import Distribution, Independent, MultivariateNormal, N
 
 from pyro_smc.infer.smc.importance import ParticleLayout, log_density_against_parents, transition_site_problem
 from pyro_smc.ops.resample import inverse_cdf
+from pyro_smc.progress import progress
 from pyro_smc.tracing import is_latent
 
 __all__ = ["SMOOTHING_METHODS", "detached_record", "smooth", "step_record"]
@@ -334,6 +335,7 @@ def smooth(
     has_ancestors: bool,
     max_rounds: int = REJECTION_MAX_ROUNDS,
     stats: dict[str, int] | None = None,
+    progress_bar: bool = False,
 ) -> dict[str, Tensor]:
     """Smoothed trajectories from an engine's stored history (see the module docstring).
 
@@ -349,6 +351,7 @@ def smooth(
             in the rounds; ``proposals / draws`` is the mean number of rounds per draw),
             ``accepted``, ``fallback`` (exact ``O(N)`` draws after ``max_rounds``) and
             ``exact_steps`` (steps with a non-Gaussian latent site, drawn by FFBS).
+        progress_bar: show a bar over the backward pass.
 
     Returns:
         ``{key: (S, T, B, *event)}`` for every state key, detached.
@@ -374,7 +377,7 @@ def smooth(
     index = _categorical(last["log_weights"], num_samples)  # (S, B)
     out = [{k: _pick(last["state"][k], index) for k in keys}]
     values = {site["name"]: _pick(site["value"], index) for site in last["sites"]}
-    for t in range(len(history) - 1, 0, -1):
+    for t in progress(range(len(history) - 1, 0, -1), desc=f"SMC.smooth ({method})", enabled=progress_bar):
         record, previous = history[t], history[t - 1]
         if method == "genealogy":
             parent = index
@@ -393,3 +396,30 @@ def smooth(
         values = {site["name"]: _pick(site["value"], index) for site in previous["sites"]}
     out.reverse()
     return {k: torch.stack([row[k] for row in out], dim=1) for k in keys}
+
+
+def filtering_quantiles(history: list[dict[str, Any]], probs: Tensor, key: str) -> Tensor:
+    """Weighted quantiles of the filtering particles of ``key`` at every stored step.
+
+    Args:
+        history: the stored records (:func:`record_weighted` put ``state`` and ``log_weights``).
+        probs: ``(Q,)`` levels in ``[0, 1]``.
+        key: a state key with a floating-point value.
+
+    Returns:
+        ``(Q, T, B, *event)``: at each step, the smallest particle value whose normalised weight
+        cumulated over the sorted particles reaches each level (entry by entry).
+    """
+    rows = []
+    for record in history:
+        values = record["state"][key]  # (B, N, *event)
+        weights = torch.softmax(record["log_weights"], -1)  # (B, N)
+        extra = values.dim() - 2
+        values = values.movedim(1, -1)  # (B, *event, N)
+        weights = weights.reshape(weights.shape[:1] + (1,) * extra + weights.shape[1:]).expand_as(values)
+        sorted_values, order = values.sort(-1)
+        cdf = weights.gather(-1, order).cumsum(-1)
+        level = probs.to(cdf.dtype).expand(cdf.shape[:-1] + probs.shape).contiguous()
+        index = torch.searchsorted(cdf.contiguous(), level).clamp(max=cdf.shape[-1] - 1)
+        rows.append(sorted_values.gather(-1, index).movedim(-1, 0))  # (Q, B, *event)
+    return torch.stack(rows, 1)

@@ -273,6 +273,7 @@ def test_ep_smoother_float32_linear_model_equals_rts(projection):
     assert (out.first_sweep.means.double() - rts.means).abs().max() < 1e-4 * max(scale, float(rts.means.abs().max()))
 
 
+@pytest.mark.slow
 def test_kalman_rts_and_ep_smoother_at_T_1e4():
     ssm = ar1_ssm()
     _, ys = ssm.simulate(10_000, generator=torch.Generator().manual_seed(1))

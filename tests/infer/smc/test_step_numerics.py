@@ -366,6 +366,7 @@ def _one_step_log_evidence_variance(ssm, ys, kf, num_particles):
     return float(torch.expm1(log_ratio).sum()) / num_particles
 
 
+@pytest.mark.slow
 def test_smc_log_evidence_at_T_1e4():
     """T = 10^4, N = 100, five independent filters (seeds 0-4 in one vectorised run), resampling at
     every step. With V the first-order variance above (the per-step chi^2 over N, summed: the
