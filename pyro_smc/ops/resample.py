@@ -30,7 +30,7 @@ from torch import Tensor
 
 from pyro_smc.ops.weights import check_log_weights
 
-__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "stop_gradient_log_weights", "log_mixture_density", "kernel_mixture_log_density"]
+__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "weighted_quantiles", "stop_gradient_log_weights", "log_mixture_density", "kernel_mixture_log_density"]
 
 
 def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> Tensor:
@@ -52,6 +52,34 @@ def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> Tensor:
     # The last cumulative weight can round below 1; clamp so no index falls off the end.
     index = torch.searchsorted(cdf.contiguous(), uniforms.contiguous(), right=True)
     return index.clamp_(max=log_weights.shape[-1] - 1)
+
+
+def weighted_quantiles(values: Tensor, log_weights: Tensor, probs: Tensor) -> Tensor:
+    """Quantiles of the weighted particles, entry by entry: at each level the smallest particle
+    value whose cumulative normalised weight (over the particles sorted by that value) exceeds it.
+
+    Args:
+        values: particles ``(..., N, *event)``.
+        log_weights: log-weights ``(..., N)`` (not necessarily normalised).
+        probs: levels ``(Q,)`` in ``[0, 1]``.
+
+    Returns:
+        ``(Q, ..., *event)``.
+
+    Example:
+        >>> x = torch.tensor([3.0, 1.0, 2.0, 4.0])
+        >>> weighted_quantiles(x, torch.tensor([0.1, 0.4, 0.4, 0.1]).log(), torch.tensor([0.3, 0.5, 0.95])).tolist()
+        [1.0, 2.0, 4.0]
+    """
+    batch = log_weights.dim() - 1
+    extra = values.dim() - batch - 1
+    moved = values.movedim(batch, -1)  # (..., *event, N)
+    log_w = torch.log_softmax(log_weights, -1)
+    log_w = log_w.reshape(log_w.shape[:-1] + (1,) * extra + log_w.shape[-1:]).expand_as(moved)
+    sorted_values, order = moved.sort(-1)
+    levels = probs.to(moved.dtype).expand(moved.shape[:-1] + probs.shape)
+    index = inverse_cdf(log_w.gather(-1, order), levels)
+    return sorted_values.gather(-1, index).movedim(-1, 0)
 
 
 def multinomial(log_weights: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -157,3 +157,4 @@ def log_mean_exp(log_values: Tensor, dim: int = -1) -> Tensor:
         torch.Size([5])
     """
     return torch.logsumexp(log_values, dim=dim) - math.log(log_values.shape[dim])
+

@@ -187,3 +187,22 @@ def test_systematic_counting_path_matches_search(batch, n, dtype, seed, scale, z
         *row, i = position
         a, b = sorted((int(out["count"][tuple(position)]), int(out["search"][tuple(position)])))
         assert (cdf[tuple(row)][a:b] - points[tuple(position)]).abs().max() <= tie
+
+
+def test_weighted_quantiles_equal_the_order_statistics_of_the_repeated_sample():
+    """Oracle: particles with integer weights are the sample that repeats each one that many
+    times; the inverse CDF at level p is that sample's order statistic of index floor(p n)."""
+    from pyro_smc.ops.resample import weighted_quantiles
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 7, 2, generator=g)  # (B, N, event)
+    counts = torch.randint(1, 6, (3, 7), generator=g)
+    probs = torch.tensor([0.013, 0.25, 0.5, 0.77, 0.999])
+    q = weighted_quantiles(values, counts.double().log(), probs)  # (Q, B, event)
+    assert q.shape == (5, 3, 2)
+    for b in range(3):
+        for e in range(2):
+            sample = values[b, :, e].repeat_interleave(counts[b]).sort().values
+            n = len(sample)
+            expected = sample[(probs.double() * n).floor().long()]
+            assert torch.equal(q[:, b, e], expected)

@@ -191,3 +191,32 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 #: The ``gradient=`` spelling of each score-function estimator, for messages.
 ESTIMATOR_OPTION = {"score": "stop_gradient", "marginal_score": "marginal_stop_gradient"}
+
+
+def check_quantile_request(store_history: bool, history: list, probs: Any, key: str | None) -> tuple[str, Tensor]:
+    """The arguments of ``SMC.filtering_quantiles``: the state key and the levels as a tensor of
+    the weights' dtype and device.
+
+    Raises:
+        RuntimeError: no history (``store_history=False``) or no step taken.
+        ValueError: a level outside ``[0, 1]``, an unknown key (or none with several), labels.
+    """
+    if not store_history:
+        raise RuntimeError("SMC.filtering_quantiles needs the particle history: build the engine with SMC(..., store_history=True)")
+    if not history:
+        raise RuntimeError("SMC.filtering_quantiles: nothing has been filtered yet; call run(observations)")
+    last = history[-1]
+    keys = list(last["state"])
+    if key is None:
+        if len(keys) != 1:
+            raise ValueError(f"SMC.filtering_quantiles: the state has several keys {keys}; pass key=")
+        key = keys[0]
+    if key not in keys:
+        raise ValueError(f"SMC.filtering_quantiles: unknown key {key!r}; the state holds {keys}")
+    if not last["state"][key].is_floating_point():
+        raise ValueError(f"SMC.filtering_quantiles: {key!r} holds labels; read their filtering probabilities from filtering_means")
+    weights = last["log_weights"]
+    levels = torch.as_tensor(list(probs), dtype=weights.dtype, device=weights.device)
+    if levels.dim() != 1 or not bool(((levels >= 0) & (levels <= 1)).all()):
+        raise ValueError(f"SMC.filtering_quantiles: probs must be levels in [0, 1], got {list(probs)}")
+    return key, levels

@@ -30,7 +30,6 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import pyro.distributions as dist
-import torch
 from torch import Tensor
 
 from pyro_smc.gp import pinned_posteriors
@@ -44,6 +43,7 @@ from pyro_smc.infer.smc.checks import (
     check_finite_args,
     check_programs,
     check_settings,
+    check_quantile_request,
     check_smooth_request,
     warn_degenerate_weights,
 )
@@ -452,23 +452,8 @@ class SMC:
             >>> smc.filtering_quantiles([0.05, 0.5, 0.95]).shape      # (Q, T, B, d)
             torch.Size([3, 8, 1, 1])
         """
-        if not self.store_history:
-            raise RuntimeError("SMC.filtering_quantiles needs the particle history: build the engine with SMC(..., store_history=True)")
-        if not self._history:
-            raise RuntimeError("SMC.filtering_quantiles: nothing has been filtered yet; call run(observations)")
-        keys = list(self._history[-1]["state"])
-        if key is None:
-            if len(keys) != 1:
-                raise ValueError(f"SMC.filtering_quantiles: the state has several keys {keys}; pass key=")
-            key = keys[0]
-        if key not in keys:
-            raise ValueError(f"SMC.filtering_quantiles: unknown key {key!r}; the state holds {keys}")
-        if not self._history[-1]["state"][key].is_floating_point():
-            raise ValueError(f"SMC.filtering_quantiles: {key!r} holds labels; read their filtering probabilities from filtering_means")
-        levels = torch.as_tensor(list(probs), dtype=self._history[-1]["log_weights"].dtype)
-        if levels.dim() != 1 or not bool(((levels >= 0) & (levels <= 1)).all()):
-            raise ValueError(f"SMC.filtering_quantiles: probs must be levels in [0, 1], got {list(probs)}")
-        return smoothing.filtering_quantiles(self._history, levels.to(self._history[-1]["log_weights"].device), key)
+        key, levels = check_quantile_request(self.store_history, self._history, probs, key)
+        return smoothing.filtering_quantiles(self._history, levels, key)
 
     def get_empirical(self) -> dict[str, dist.Empirical]:
         """Each state tensor's weighted particles as ``SMCFilter`` returns them (batch ``(B,)`` if ``B > 1``)."""

@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.distributions import Distribution, Independent, MultivariateNormal, Normal
 
 from pyro_smc.infer.smc.importance import ParticleLayout, log_density_against_parents, transition_site_problem
-from pyro_smc.ops.resample import inverse_cdf
+from pyro_smc.ops.resample import inverse_cdf, weighted_quantiles
 from pyro_smc.progress import progress
 from pyro_smc.tracing import is_latent
 
@@ -398,28 +398,8 @@ def smooth(
     return {k: torch.stack([row[k] for row in out], dim=1) for k in keys}
 
 
+
 def filtering_quantiles(history: list[dict[str, Any]], probs: Tensor, key: str) -> Tensor:
-    """Weighted quantiles of the filtering particles of ``key`` at every stored step.
-
-    Args:
-        history: the stored records (:func:`record_weighted` put ``state`` and ``log_weights``).
-        probs: ``(Q,)`` levels in ``[0, 1]``.
-        key: a state key with a floating-point value.
-
-    Returns:
-        ``(Q, T, B, *event)``: at each step, the smallest particle value whose normalised weight
-        cumulated over the sorted particles reaches each level (entry by entry).
-    """
-    rows = []
-    for record in history:
-        values = record["state"][key]  # (B, N, *event)
-        weights = torch.softmax(record["log_weights"], -1)  # (B, N)
-        extra = values.dim() - 2
-        values = values.movedim(1, -1)  # (B, *event, N)
-        weights = weights.reshape(weights.shape[:1] + (1,) * extra + weights.shape[1:]).expand_as(values)
-        sorted_values, order = values.sort(-1)
-        cdf = weights.gather(-1, order).cumsum(-1)
-        level = probs.to(cdf.dtype).expand(cdf.shape[:-1] + probs.shape).contiguous()
-        index = torch.searchsorted(cdf.contiguous(), level).clamp(max=cdf.shape[-1] - 1)
-        rows.append(sorted_values.gather(-1, index).movedim(-1, 0))  # (Q, B, *event)
-    return torch.stack(rows, 1)
+    """Weighted quantiles (:func:`~pyro_smc.ops.resample.weighted_quantiles`) of the filtering
+    particles of ``key`` at every stored step: ``(Q, T, B, *event)`` for levels ``probs (Q,)``."""
+    return torch.stack([weighted_quantiles(rec["state"][key], rec["log_weights"], probs) for rec in history], 1)
