@@ -61,7 +61,7 @@ def test_table_comes_from_the_records_alone(summarize, tmp_path):
     assert summarize.render_tables(stripped) == summarize.render_tables(rows)
 
 
-def test_a_file_of_several_runs_joins_their_records():
+def test_a_file_of_several_runs_joins_their_records(summarize):  # loading it puts _common on sys.path
     """``write_results(..., run=...)``: one file per script, its record joining the runs' cells."""
     common = importlib.import_module("_common")
     a = common.summary_record("kronecker/x", {"command": "python a.py"}, {"ours": "1"}, label="MLP", script="bench_x.py")
