@@ -2,7 +2,7 @@
 
 Build (offline; warnings are errors, every reference must resolve):
 
-    python -m sphinx -W --keep-going -n -b html docs docs/_build/html
+    python -m sphinx -W --keep-going -n -b html -d docs/_build/doctrees docs docs/_build/html
 
 ``tests/test_docs_build.py`` runs exactly this. Nothing is downloaded: the intersphinx inventories
 of Python, PyTorch and Pyro are stored in ``docs/_inventories`` (regenerate them with
@@ -13,6 +13,7 @@ stored in the notebooks (no execution).
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import pathlib
 import re
@@ -117,7 +118,8 @@ intersphinx_timeout = 1
 # --- HTML ----------------------------------------------------------------------------------------
 html_theme = "furo"
 html_title = f"pyro_smc {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["pyro_smc.css"]
 
 # --- nitpicky mode -------------------------------------------------------------------------------
 nitpicky = True
@@ -271,7 +273,88 @@ def _link_math_citations(app, what, name, obj, options, lines):
         )
 
 
+# --- names in ``code`` become links -------------------------------------------------------------
+# Prose names Pyro's, PyTorch's and this package's objects as inline code (`SVI`, `pyro.param`,
+# `dist.Bernoulli`, `OTResampler`, `SMC.run`); Pyro's own docs link such names by hand, and here
+# every one of them is linked. An inline literal (not in a title or an existing link) whose text,
+# less a trailing "()", is a name below becomes a cross-reference: a Pyro or PyTorch name in
+# docs/_inventories/objects.txt (dotted, or a class by its bare name where that is unambiguous),
+# `dist.X`, `poutine.X` and `nn.X` as Pyro's examples import them, or a public pyro_smc name
+# (bare, or Name.member for a method or property). tests/test_docs_build.py fails on a Pyro or
+# PyTorch name left unlinked in the built pages.
+_LITERAL_PREFIXES = {"dist.": "pyro.distributions.", "poutine.": "pyro.poutine.", "nn.": "torch.nn."}
+
+
+def _literal_targets() -> dict[str, str]:
+    """``{text of an inline literal: the name it links to}``."""
+    targets: dict[str, str] = {}
+    short: dict[str, set[str]] = {}
+    for line in (DOCS / "_inventories" / "objects.txt").read_text().splitlines():
+        parts = line.split()
+        if len(parts) != 4 or line.startswith("#") or parts[0] not in {"torch", "pyro"}:
+            continue
+        _, role, name, uri = parts
+        if name == "pyro":
+            continue  # the bare word "pyro" is the project, not a link
+        targets[name] = name
+        if role in {"py:class", "py:exception"} and not name.startswith(("pyro.distributions", "torch.")):
+            short.setdefault(name.rsplit(".", 1)[-1], set()).add(uri)
+            targets.setdefault("short:" + name.rsplit(".", 1)[-1], name)
+    for bare, uris in short.items():
+        full = targets.pop("short:" + bare)
+        if len(uris) == 1:
+            targets.setdefault(bare, full)
+    for module in PUBLIC_MODULES:
+        for attr in getattr(importlib.import_module(module), "__all__", []):
+            targets.setdefault(attr, f"{module}.{attr}")
+    return targets
+
+
+_TARGETS: dict[str, str] = {}
+
+
+def _literal_target(text: str) -> str | None:
+    if not _TARGETS:
+        _TARGETS.update(_literal_targets())
+    text = text.removesuffix("()")
+    for prefix, full in _LITERAL_PREFIXES.items():
+        if text.startswith(prefix) and full + text[len(prefix):] in _TARGETS:
+            return full + text[len(prefix):]
+    if text in _TARGETS:
+        return _TARGETS[text]
+    head, _, member = text.partition(".")
+    owner = _TARGETS.get(head)
+    if member.isidentifier() and owner and owner.startswith("pyro_smc"):
+        # a method or property has an entry of its own; a dataclass field or enum member does not
+        attr = inspect.getattr_static(_import(owner), member, None)
+        if isinstance(attr, (property, staticmethod, classmethod)) or inspect.isfunction(attr):
+            return f"{owner}.{member}"
+    return None
+
+
+def _link_code_literals(app, doctree):
+    from docutils import nodes
+    from sphinx import addnodes
+
+    for node in list(doctree.findall(nodes.literal)):
+        if node.get("classes") and "xref" in node["classes"]:
+            continue
+        parent, inside = node.parent, False
+        while parent is not None:
+            if isinstance(parent, (nodes.reference, addnodes.pending_xref, nodes.title, nodes.literal_block, addnodes.desc_signature)):
+                inside = True
+                break
+            parent = parent.parent
+        target = None if inside else _literal_target(node.astext())
+        if target is None:
+            continue
+        xref = addnodes.pending_xref("", refdomain="py", reftype="obj", reftarget=target, refexplicit=True, refwarn=True)
+        node.replace_self(xref)
+        xref += node
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _link_math_citations)
     app.connect("missing-reference", _missing_reference, priority=400)
     app.connect("autodoc-process-bases", _process_bases)
+    app.connect("doctree-read", _link_code_literals)

@@ -27,7 +27,8 @@ Example:
     >>> w.shape, q.log_prob(w).shape
     (torch.Size([5, 3, 2]), torch.Size([5]))
     >>> prior = dist.Normal(0.0, 1.0).expand([3, 2]).to_event(2)
-    >>> kl = torch.distributions.kl_divergence(q, prior)  # 0.5 * (6 * 4 - 6) - 3 * 2 * log 2
+    >>> # 0.5 * (6 * 4 - 6) - 3 * 2 * log 2
+    >>> kl = torch.distributions.kl_divergence(q, prior)
     >>> round(float(kl), 4)
     4.8411
 """

@@ -31,7 +31,9 @@ Example:
     >>> mean, var = gp.predict(x)
     >>> torch.allclose(mean, torch.cat([x.sin(), x.cos()], -1), atol=1e-2)
     True
-    >>> M, V, C = gp.predict_moments(torch.zeros(1, dtype=torch.float64), 0.01 * torch.eye(1, dtype=torch.float64))
+    >>> M, V, C = gp.predict_moments(
+    ...     torch.zeros(1, dtype=torch.float64), 0.01 * torch.eye(1, dtype=torch.float64)
+    ... )
     >>> M.shape, V.shape, C.shape
     (torch.Size([2]), torch.Size([2, 2]), torch.Size([1, 2]))
 """
@@ -292,9 +294,11 @@ class MultiOutputGP(PyroModule):
             >>> from pyro_smc.gp import MultiOutputGP
             >>> X = torch.linspace(-2, 2, 10, dtype=torch.float64).unsqueeze(-1)
             >>> gp = MultiOutputGP(X, X.sin(), noise=1e-3)
-            >>> with gp.pinned_posterior():                       # one Cholesky for both calls
+            >>> with gp.pinned_posterior():  # one Cholesky for both calls
             ...     m1, v1 = gp.predict(X[:2])
-            ...     M, V, C = gp.predict_moments(torch.zeros(1, dtype=torch.float64), 0.1 * torch.eye(1, dtype=torch.float64))
+            ...     M, V, C = gp.predict_moments(
+            ...         torch.zeros(1, dtype=torch.float64), 0.1 * torch.eye(1, dtype=torch.float64)
+            ...     )
             >>> loss = -(m1.sum() + M.sum())
             >>> loss.backward()                                   # reaches the hyperparameters
             >>> bool(gp.lengthscale_unconstrained.grad.abs().sum() > 0)
@@ -376,7 +380,7 @@ def pinned_posteriors(*fns: object):  # -> contextlib.ExitStack (not in the docs
         >>> from pyro_smc.gp import MultiOutputGP, pinned_posteriors
         >>> X = torch.linspace(-2, 2, 10, dtype=torch.float64).unsqueeze(-1)
         >>> gp = MultiOutputGP(X, X.sin(), noise=1e-3)
-        >>> with pinned_posteriors(gp, torch.sin):                # torch.sin is not a GP: ignored
+        >>> with pinned_posteriors(gp, torch.sin):  # torch.sin is not a GP: ignored
         ...     mean, var = gp.predict(X[:3])
         ...     mean_again, _ = gp.predict(X[:3])
         >>> torch.equal(mean, mean_again), gp._pinned is None

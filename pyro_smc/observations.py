@@ -80,7 +80,9 @@ def row_status(flat: Tensor, padded: Tensor | None = None) -> RowStatus:
 
     Example:
         >>> import torch
-        >>> row_status(torch.zeros(3, 2), padded=torch.tensor([False, False, True])).missing.tolist()
+        >>> row_status(
+        ...     torch.zeros(3, 2), padded=torch.tensor([False, False, True])
+        ... ).missing.tolist()
         [False, False, True]
     """
     if padded is None:
@@ -124,7 +126,10 @@ def step_observation(y: Any, t: int, expected_shape: torch.Size | None = None) -
 
     Example:
         >>> import math, torch
-        >>> step_observation(None, t=0), step_observation(torch.full((2,), math.nan), t=1).missing
+        >>> (
+        ...     step_observation(None, t=0),
+        ...     step_observation(torch.full((2,), math.nan), t=1).missing,
+        ... )
         (StepObservation(missing=True, observed=None), True)
     """
     if y is None:
@@ -165,7 +170,9 @@ def check_observations(observations: Tensor | Sequence[Tensor | None], obs_dim: 
     Example:
         >>> import torch
         >>> eye = torch.eye(2, dtype=torch.float64)
-        >>> ys, observed = check_observations([torch.ones(2, dtype=torch.float64), None], 2, like=eye)
+        >>> ys, observed = check_observations(
+        ...     [torch.ones(2, dtype=torch.float64), None], 2, like=eye
+        ... )
         >>> observed.tolist()
         [[True, True], [False, False]]
     """

@@ -27,7 +27,7 @@ Example:
     >>> ax = plot_means(smc, truth=xs, label="SMC")
     >>> ax = plot_means(ssm.kalman_filter(ys), ax=ax, label="Kalman")
     >>> ax = plot_ess(smc)
-    >>> ax = plot_ep_iterations(EPSmoother(ssm, tol=1e-8).smooth(ys), tol=1e-8)
+    >>> ax = plot_ep_iterations(EPSmoother(ssm, tol=1e-6).smooth(ys), tol=1e-6)
 """
 
 from __future__ import annotations

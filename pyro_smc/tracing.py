@@ -141,12 +141,15 @@ def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str) ->
     Example:
         >>> import pyro, pyro.distributions as dist, torch
         >>> from pyro import poutine
-        >>> def step(y):                                # validate_args=False: torch checks nothing
+        >>> def step(y):  # validate_args=False: torch checks nothing
         ...     fn = dist.Normal(torch.zeros(3, 2), 1.0, validate_args=False).to_event(1)
         ...     pyro.sample("y", fn, obs=y)
-        >>> check_observed_shapes(poutine.trace(step).get_trace(torch.zeros(2)), (3,), "step 0")   # fits
+        >>> # fits
+        >>> check_observed_shapes(poutine.trace(step).get_trace(torch.zeros(2)), (3,), "step 0")
         >>> try:
-        ...     check_observed_shapes(poutine.trace(step).get_trace(torch.tensor(0.5)), (3,), "step 0")
+        ...     check_observed_shapes(
+        ...         poutine.trace(step).get_trace(torch.tensor(0.5)), (3,), "step 0"
+        ...     )
         ... except ValueError as error:
         ...     print(str(error).split(":")[0])
         the observation of site 'y' at step 0 has shape (), which does not fit the site (per sample (2,), leading (3,))
@@ -295,7 +298,9 @@ def replay_where(trace: Trace, mask: Tensor, dims_right: int) -> Messenger:
         >>> import torch, pyro, pyro.distributions as dist
         >>> def program():
         ...     return pyro.sample("x", dist.Normal(torch.zeros(2, 3), 1.0))
-        >>> recorded = poutine.trace(lambda: pyro.sample("x", dist.Normal(torch.full((2, 3), 9.0), 1e-3))).get_trace()
+        >>> recorded = poutine.trace(
+        ...     lambda: pyro.sample("x", dist.Normal(torch.full((2, 3), 9.0), 1e-3))
+        ... ).get_trace()
         >>> with replay_where(recorded, torch.tensor([True, False]), dims_right=1):
         ...     x = program()
         >>> bool((x[0] > 8).all()), bool((x[1] < 8).all())

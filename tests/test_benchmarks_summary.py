@@ -1,9 +1,13 @@
 """``benchmarks/summarize.py``: every result file carries a valid summary record, the tables (one per
-engine folder) are built from the records alone (one row per script, one file per script), ``--check``."""
+engine folder) are built from the records alone (one row per script, one file per script), ``--check``;
+``benchmarks/plot_results.py`` draws the figures of ``docs/benchmarks.md``."""
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +149,19 @@ def test_check_mode(summarize, tmp_path, capsys):
     assert summarize.main(["--readme", str(readme)]) == 0
     assert readme.read_text() == text
     assert "| benchmark |" in capsys.readouterr().out
+
+
+def test_figures_of_the_benchmarks_page(tmp_path):
+    """``benchmarks/plot_results.py`` draws its figures from the committed results alone, and
+    ``docs/benchmarks.md`` shows exactly those figures, each committed under ``docs/figures/``."""
+    docs = BENCH.parent / "docs"
+    env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(BENCH / "plot_results.py"), "--out", str(tmp_path)], check=True, env=env, capture_output=True, timeout=120)
+    written = {p.name for p in tmp_path.glob("*.png")}
+    page = (docs / "benchmarks.md").read_text()
+    shown = set(re.findall(r"figures/benchmarks/([\w-]+\.png)", page))
+    assert len(written) >= 5 and shown == written, (sorted(shown), sorted(written))
+    assert len(re.findall(r"^```\{figure\} figures/benchmarks/", page, re.M)) == len(shown)
+    committed = docs / "figures" / "benchmarks"
+    assert {p.name for p in committed.glob("*.png")} == written  # no figure left over from an older script
+    assert all((committed / name).stat().st_size < 150_000 for name in shown)  # small enough for the site

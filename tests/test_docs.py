@@ -93,6 +93,19 @@ def test_code_blocks_and_tutorial_cells_fit_the_page():
     assert not wide, "\n".join(wide)
 
 
+def test_docstring_examples_fit_the_page():
+    """No ``>>>`` or ``...`` line of a docstring example in the package is wider than CODE_WIDTH
+    as the API pages show it (prompt included, docstring indentation not). Before: 176 lines, up
+    to 140 columns. Expected outputs are not checked: a few are error messages printed whole."""
+    wide = []
+    for module in sorted((ROOT / "pyro_smc").rglob("*.py")):
+        for number, line in enumerate(module.read_text().splitlines(), 1):
+            shown = line.strip()
+            if shown.startswith((">>>", "...")) and len(shown) > CODE_WIDTH:
+                wide.append(f"{module.relative_to(ROOT)}:{number}: {len(shown)} columns")
+    assert not wide, "\n".join(wide)
+
+
 def _readme_ar1_mle(ys):
     """Exact maximum-likelihood theta of the README's AR(1) (Kalman log-likelihood on a grid)."""
     from pyro_smc.models import LinearGaussianSSM
@@ -194,6 +207,32 @@ def test_first_filter_example_runs():
     smc = namespace["smc"]
     assert smc.log_evidence.shape == (4,) and bool(torch.isfinite(smc.log_evidence).all())
     assert smc.filtering_means["x"].shape == (50, 4)
+
+
+# docs/getting_started.md's first fit, as printed, learns the exact maximum-likelihood r (a Kalman
+# grid of step 0.01). Measured |learned - MLE| on data seeds 0-5: at most 0.012 (seed 2); the
+# bootstrap filter (no guide) is 0.15-0.18 too high on seeds 0-2, so the bound below catches a
+# proposal that stops reaching the filter. The default run is the printed seed (10 s);
+# PYRO_SMC_FULL=1 runs seeds 0-3.
+@pytest.mark.parametrize("data_seed", [0, 1, 2, 3] if FULL else [0])
+def test_first_fit_example_learns_the_mle(data_seed):
+    code = readme_example("first-fit")
+    assert "torch.manual_seed(0)" in code and "range(100)" in code
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float32)
+        namespace = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SinkhornConvergenceWarning)
+            exec(code.replace("torch.manual_seed(0)", f"torch.manual_seed({data_seed})"), namespace)
+    finally:
+        torch.set_default_dtype(old)
+    learned = namespace["pyro"].param("r").item()
+    grid, log_p = namespace["grid"], namespace["log_p"]
+    mle = float(grid[log_p.argmax()])
+    assert abs(learned - mle) < 0.03, (learned, mle)
+    # the estimate lies below the exact maximum: Jensen, plus the OT bias (measured 0.2-1.0 nats)
+    assert -namespace["loss"] < float(log_p.max()) + 0.5
 
 
 def test_readme_kronecker_example_runs():

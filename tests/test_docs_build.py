@@ -94,6 +94,7 @@ def test_docs_build(tmp_path):
     missing = [name for name, obj in public_objects().items() if _is_documentable(obj) and id(obj) not in documented_ids]
     assert not missing, f"public names missing from the API reference: {missing}"
     _check_built_maths(tmp_path / "html")
+    _check_names_linked(tmp_path / "html")
 
 
 # TeX that reached a page as text: a dollar, or a control word of the kinds the pages use.
@@ -161,6 +162,85 @@ def _check_built_maths(html: pathlib.Path) -> None:
     for page in with_maths:
         text = page.read_text(encoding="utf-8")
         assert "_static/mathjax/tex-chtml.js" in text and "cdn.jsdelivr" not in text, f"{page.name} loads MathJax from elsewhere"
+
+
+# A Pyro or PyTorch name in inline code: dotted (pyro.param, torch.save, dist.Bernoulli), or a Pyro
+# class or exception by its bare name (SVI, AutoNormal; the bare names docs/conf.py links).
+_EXTERNAL_NAME = re.compile(r"(?:pyro|torch|dist|poutine|nn)\.[A-Za-z_][\w.]*(?:\(\))?")
+
+
+def _bare_pyro_names() -> set[str]:
+    names = set()
+    for line in (DOCS / "_inventories" / "objects.txt").read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "pyro" and parts[1] in {"py:class", "py:exception"} and not parts[2].startswith("pyro.distributions"):
+            names.add(parts[2].rsplit(".", 1)[-1])
+    return names
+
+
+def unlinked_code(html: str) -> list[str]:
+    """The texts of inline code (``<code class="... literal ...">``) outside links, headings and
+    code blocks.
+
+    Example: ``unlinked_code('<p><code class="docutils literal">SVI</code> <a href="#"><code
+    class="docutils literal">SMC</code></a></p>')`` is ``["SVI"]``.
+    """
+    from html.parser import HTMLParser
+
+    found: list[str] = []
+    shielding = {"a", "pre", "h1", "h2", "h3", "h4", "h5", "h6"}
+
+    class Scan(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.open: list[str] = []
+            self.text: list[str] | None = None
+            self.depth = 0
+
+        def handle_starttag(self, tag, attrs):
+            if tag in _VOID_TAGS:
+                return
+            self.open.append(tag)
+            classes = (dict(attrs).get("class") or "").split()
+            if tag == "code" and "literal" in classes and self.text is None and not shielding & set(self.open[:-1]):
+                self.text, self.depth = [], len(self.open)
+
+        def handle_endtag(self, tag):
+            if tag in _VOID_TAGS:
+                return
+            if self.text is not None and tag == "code" and len(self.open) == self.depth:
+                found.append("".join(self.text))
+                self.text = None
+            while self.open and self.open.pop() != tag:
+                pass
+
+        def handle_data(self, data):
+            if self.text is not None:
+                self.text.append(data)
+
+    Scan().feed(html)
+    return found
+
+
+def test_unlinked_code_finds_names_outside_links():
+    page = ('<h2><code class="docutils literal">SVI</code></h2><p><code class="docutils literal">pyro.param</code> '
+            '<a href="x"><code class="docutils literal">SVI</code></a></p><pre><code class="literal">torch.save</code></pre>')
+    assert unlinked_code(page) == ["pyro.param"]
+    assert _EXTERNAL_NAME.fullmatch("dist.Bernoulli") and not _EXTERNAL_NAME.fullmatch("pyro_smc.SMC")
+    assert {"SVI", "AutoNormal", "SMCFilter", "PyroModule"} <= _bare_pyro_names()
+
+
+def _check_names_linked(html: pathlib.Path) -> None:
+    """Every Pyro or PyTorch name the prose shows as inline code links to its documentation
+    (docs/conf.py's ``_link_code_literals``; a new name goes into docs/_inventories/objects.txt)."""
+    bare = _bare_pyro_names()
+    pages = [p for p in html.rglob("*.html") if not {"_static", "_modules", "_sources"} & set(p.relative_to(html).parts)]
+    missing = {}
+    for page in pages:
+        names = [t for t in unlinked_code(page.read_text(encoding="utf-8")) if _EXTERNAL_NAME.fullmatch(t) or t.removesuffix("()") in bare]
+        if names:
+            missing[str(page.relative_to(html))] = sorted(set(names))
+    assert not missing, "Pyro/PyTorch names in inline code without a link (add them to docs/_inventories/objects.txt): " + repr(missing)
 
 
 _EXAMPLE = re.compile(r"^\s*Examples?\b[^\n]*:\s*$", re.M)

@@ -76,7 +76,11 @@ class LinearGaussianSSM(PyroModule):
         (torch.Size([5, 2]), torch.Size([5, 1]))
         >>> ssm.rts_smoother(ys).covariances.shape                    # exact, (T, d, d)
         torch.Size([5, 2, 2])
-        >>> bool(torch.isclose(ssm.log_evidence(ys), ssm.kalman_filter(ys).log_evidence_increments.sum()))
+        >>> bool(
+        ...     torch.isclose(
+        ...         ssm.log_evidence(ys), ssm.kalman_filter(ys).log_evidence_increments.sum()
+        ...     )
+        ... )
         True
     """
 
@@ -247,7 +251,10 @@ class DiagonalLinearGaussianSSM(PyroModule):
         >>> ssm = DiagonalLinearGaussianSSM(torch.tensor([0.9, 0.5]), torch.ones(2), 0.5, 0.5)
         >>> _, ys = ssm.simulate(5)                                   # (T, d)
         >>> log_z = gaussian_filter(ssm, ys).log_evidence
-        >>> bool(torch.isclose(log_z, ssm.as_linear_gaussian().log_evidence(ys))), log_z.requires_grad
+        >>> (
+        ...     bool(torch.isclose(log_z, ssm.as_linear_gaussian().log_evidence(ys))),
+        ...     log_z.requires_grad,
+        ... )
         (True, True)
     """
 

@@ -25,8 +25,9 @@ Example:
     >>> import torch
     >>> from pyro_smc.models import NonlinearGaussianSSM, time_dependent
     >>> one = torch.ones(1, 1)
-    >>> ssm = NonlinearGaussianSSM(lambda x: torch.sin(x), 0.1 * one, lambda x: x**2 / 20, one,
-    ...                            torch.zeros(1), one)
+    >>> ssm = NonlinearGaussianSSM(
+    ...     lambda x: torch.sin(x), 0.1 * one, lambda x: x**2 / 20, one, torch.zeros(1), one
+    ... )
     >>> xs, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(0))
     >>> xs.shape, ys.shape
     (torch.Size([20, 1]), torch.Size([20, 1]))
@@ -183,7 +184,9 @@ class NonlinearGaussianSSM(PyroModule):
         >>> from pyro_smc.models.protocol import GaussianStateSpaceModel
         >>> eye = torch.eye(2)
         >>> sensor = time_dependent(lambda x, t: x[..., :1] * t)
-        >>> ssm = NonlinearGaussianSSM(torch.tanh, 0.1 * eye, sensor, torch.eye(1), torch.zeros(2), eye)
+        >>> ssm = NonlinearGaussianSSM(
+        ...     torch.tanh, 0.1 * eye, sensor, torch.eye(1), torch.zeros(2), eye
+        ... )
         >>> ssm.state_dim, ssm.obs_dim, isinstance(ssm, GaussianStateSpaceModel)
         (2, 1, True)
         >>> ssm.observation_fn(torch.ones(4, 2), 3).shape               # (..., d) -> (..., e)

@@ -26,7 +26,9 @@ Example:
     >>> from pyro_smc.models import LinearGaussianSSM
     >>> from pyro_smc.models.protocol import GaussianStateSpaceModel, StateSpaceModel
     >>> eye = torch.eye(2, dtype=torch.float64)
-    >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2, dtype=torch.float64), eye)
+    >>> ssm = LinearGaussianSSM(
+    ...     0.5 * eye, eye, eye, eye, torch.zeros(2, dtype=torch.float64), eye
+    ... )
     >>> isinstance(ssm, StateSpaceModel), isinstance(ssm, GaussianStateSpaceModel)
     (True, True)
 """
@@ -113,7 +115,10 @@ class GaussianStateSpaceModel(StateSpaceModel, Protocol):
         >>> from pyro_smc.models.protocol import GaussianStateSpaceModel
         >>> eye = torch.eye(2)
         >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(2), eye)
-        >>> isinstance(ssm, GaussianStateSpaceModel), ssm.transition_fn(torch.ones(3, 2), 0).shape
+        >>> (
+        ...     isinstance(ssm, GaussianStateSpaceModel),
+        ...     ssm.transition_fn(torch.ones(3, 2), 0).shape,
+        ... )
         (True, torch.Size([3, 2]))
         >>> isinstance(ChaoticRNN(state_dim=2), GaussianStateSpaceModel)
         False

@@ -42,10 +42,20 @@ Example:
     >>> T, d, e = 6, 2, 1
     >>> eye = torch.eye(d, dtype=torch.float64)
     >>> F, Q = (0.9 * eye).expand(T - 1, d, d), (0.1 * eye).expand(T - 1, d, d)
-    >>> c, H = torch.zeros(T - 1, d, dtype=torch.float64), torch.ones(T, e, d, dtype=torch.float64)
-    >>> r, R = torch.ones(T, e, dtype=torch.float64), torch.ones(T, e, e, dtype=torch.float64)
-    >>> par = affine_chain_smoother(torch.zeros(d, dtype=torch.float64), eye, F, c, Q, H, r, R)
-    >>> seq = affine_chain_smoother(torch.zeros(d, dtype=torch.float64), eye, F, c, Q, H, r, R, parallel=False)
+    >>> c, H = (
+    ...     torch.zeros(T - 1, d, dtype=torch.float64),
+    ...     torch.ones(T, e, d, dtype=torch.float64),
+    ... )
+    >>> r, R = (
+    ...     torch.ones(T, e, dtype=torch.float64),
+    ...     torch.ones(T, e, e, dtype=torch.float64),
+    ... )
+    >>> par = affine_chain_smoother(
+    ...     torch.zeros(d, dtype=torch.float64), eye, F, c, Q, H, r, R
+    ... )
+    >>> seq = affine_chain_smoother(
+    ...     torch.zeros(d, dtype=torch.float64), eye, F, c, Q, H, r, R, parallel=False
+    ... )
     >>> bool(torch.allclose(par.means, seq.means)), par.log_evidence_increments.shape
     (True, torch.Size([6]))
 """
@@ -81,9 +91,18 @@ class AffineChainResult(NamedTuple):
     Example:
         >>> import torch
         >>> eye = torch.eye(1, dtype=torch.float64)
-        >>> out = affine_chain_smoother(torch.zeros(1, dtype=torch.float64), eye, eye.expand(2, 1, 1), torch.zeros(2, 1, dtype=torch.float64),
-        ...                             eye.expand(2, 1, 1), eye.expand(3, 1, 1), torch.ones(3, 1, dtype=torch.float64), eye.expand(3, 1, 1))
-        >>> out.predicted_means[0].item(), round(out.filtering_means[0].item(), 6)   # the prior, then given r_0 = 1
+        >>> out = affine_chain_smoother(
+        ...     torch.zeros(1, dtype=torch.float64),
+        ...     eye,
+        ...     eye.expand(2, 1, 1),
+        ...     torch.zeros(2, 1, dtype=torch.float64),
+        ...     eye.expand(2, 1, 1),
+        ...     eye.expand(3, 1, 1),
+        ...     torch.ones(3, 1, dtype=torch.float64),
+        ...     eye.expand(3, 1, 1),
+        ... )
+        >>> # the prior, then given r_0 = 1
+        >>> out.predicted_means[0].item(), round(out.filtering_means[0].item(), 6)
         (0.0, 0.5)
     """
 
@@ -233,7 +252,9 @@ def compose_backward_kernels(gains: Tensor, mean_offsets: Tensor, cov_offsets: T
         A scalar chain with ``E = 0.5``, ``g = 0``, ``L = 1`` back from ``N(2, 4)``:
 
         >>> E, g, L = torch.full((2, 1, 1), 0.5), torch.zeros(2, 1), torch.ones(2, 1, 1)
-        >>> means, covs = compose_backward_kernels(E, g, L, torch.tensor([2.0]), torch.tensor([[4.0]]))
+        >>> means, covs = compose_backward_kernels(
+        ...     E, g, L, torch.tensor([2.0]), torch.tensor([[4.0]])
+        ... )
         >>> means.squeeze(-1).tolist(), covs.flatten().tolist()   # m = m' / 2, P = P' / 4 + 1
         ([0.5, 1.0, 2.0], [1.5, 2.0, 4.0])
     """
@@ -315,8 +336,16 @@ def affine_chain_smoother(
 
     Example:
         >>> one = torch.ones(1, 1, 1)
-        >>> out = affine_chain_smoother(torch.zeros(1), one[0], one, torch.zeros(1, 1), one, one.expand(2, 1, 1),
-        ...                             torch.tensor([[0.0], [2.0]]), one.expand(2, 1, 1))
+        >>> out = affine_chain_smoother(
+        ...     torch.zeros(1),
+        ...     one[0],
+        ...     one,
+        ...     torch.zeros(1, 1),
+        ...     one,
+        ...     one.expand(2, 1, 1),
+        ...     torch.tensor([[0.0], [2.0]]),
+        ...     one.expand(2, 1, 1),
+        ... )
         >>> [round(v, 4) for v in out.means.squeeze(-1).tolist()]  # as rts_smoother's example
         [0.4, 1.2]
     """

@@ -32,7 +32,9 @@ Example:
     >>> from pyro_smc.ops.ensemble import ensemble_transform
     >>> x = torch.randn(4, 50, 2, dtype=torch.float64, requires_grad=True)   # 4 filters
     >>> log_w = torch.randn(4, 50, dtype=torch.float64).log_softmax(-1).requires_grad_()
-    >>> x_new, plan = ensemble_transform(x, log_w, epsilon=0.5, threshold=1e-6, max_iter=1000)
+    >>> x_new, plan = ensemble_transform(
+    ...     x, log_w, epsilon=0.5, threshold=1e-6, max_iter=1000
+    ... )
     >>> target = (log_w.exp().unsqueeze(-1) * x).sum(-2)             # weighted mean
     >>> bool(torch.allclose(x_new.mean(-2), target, atol=1e-5))
     True
@@ -185,7 +187,9 @@ class EnsembleResult(NamedTuple):
         >>> import torch
         >>> from pyro_smc.ops.ensemble import ensemble_solve
         >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
-        >>> out = ensemble_solve(torch.randn(2, 6, 1), torch.zeros(2, 6).log_softmax(-1), SinkhornSettings())
+        >>> out = ensemble_solve(
+        ...     torch.randn(2, 6, 1), torch.zeros(2, 6).log_softmax(-1), SinkhornSettings()
+        ... )
         >>> out.x_new.shape, out.solve.converged.shape
         (torch.Size([2, 6, 1]), torch.Size([2]))
     """
@@ -223,7 +227,9 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
         >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
         >>> _ = torch.manual_seed(0)
         >>> x, log_w = torch.randn(3, 10, 2), torch.randn(3, 10).log_softmax(-1)
-        >>> out = ensemble_solve(x, log_w, SinkhornSettings(threshold=1e-4, max_iter=500, gradient="unroll"))
+        >>> out = ensemble_solve(
+        ...     x, log_w, SinkhornSettings(threshold=1e-4, max_iter=500, gradient="unroll")
+        ... )
         >>> out.solve.converged.tolist(), out.plan.requires_grad
         ([True, True, True], False)
     """

@@ -110,7 +110,7 @@ def implicit_fixed_point(
         >>> a = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
         >>> theta = torch.tensor(10.0, dtype=torch.float64)      # theta = a theta + 1
         >>> z = implicit_fixed_point(lambda u: a * u + 1, theta, tol=1e-12, max_iter=1000)
-        >>> z.backward()                                          # d theta* / da = theta* / (1 - a)
+        >>> z.backward()  # d theta* / da = theta* / (1 - a)
         >>> round(a.grad.item(), 6)
         100.0
     """

@@ -97,7 +97,11 @@ def check_finite_steps(where: str, quantities: dict[str, Tensor], hint: str = ""
     Example:
         >>> means = torch.tensor([[0.0], [1.0], [float("nan")]])
         >>> check_finite_steps("filter", {"means": means[:2]})
-        >>> check_finite_steps("filter", {"means": means, "covariances": torch.ones(3, 1, 1)}, "check the model")
+        >>> check_finite_steps(
+        ...     "filter",
+        ...     {"means": means, "covariances": torch.ones(3, 1, 1)},
+        ...     "check the model",
+        ... )
         Traceback (most recent call last):
             ...
         ValueError: filter: the means at time step 2 is not finite (NaN); check the model
@@ -131,7 +135,9 @@ def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
         ValueError: if ``cov`` is not positive definite.
 
     Example:
-        >>> eta, prec = to_natural(torch.tensor([1.0, 2.0]), torch.diag(torch.tensor([2.0, 4.0])))
+        >>> eta, prec = to_natural(
+        ...     torch.tensor([1.0, 2.0]), torch.diag(torch.tensor([2.0, 4.0]))
+        ... )
         >>> [round(v, 4) for v in eta.tolist() + prec.diagonal().tolist()]
         [0.5, 0.5, 0.5, 0.25]
     """
@@ -155,7 +161,9 @@ def to_moment(eta: Tensor, prec: Tensor) -> tuple[Tensor, Tensor]:
         ValueError: if ``prec`` is not positive definite.
 
     Example:
-        >>> mean, cov = to_moment(torch.tensor([0.5, 0.5]), torch.diag(torch.tensor([0.5, 0.25])))
+        >>> mean, cov = to_moment(
+        ...     torch.tensor([0.5, 0.5]), torch.diag(torch.tensor([0.5, 0.25]))
+        ... )
         >>> [round(v, 4) for v in mean.tolist() + cov.diagonal().tolist()]
         [1.0, 2.0, 2.0, 4.0]
     """
@@ -244,7 +252,9 @@ def is_proper(prec: Tensor) -> Tensor:
         bool ``(...)``: ``True`` where the Cholesky factorisation succeeds.
 
     Example:
-        >>> is_proper(torch.stack([torch.eye(2), torch.diag(torch.tensor([1.0, 0.0]))])).tolist()
+        >>> is_proper(
+        ...     torch.stack([torch.eye(2), torch.diag(torch.tensor([1.0, 0.0]))])
+        ... ).tolist()
         [True, False]
     """
     _, info = torch.linalg.cholesky_ex(symmetrize(prec))
@@ -300,7 +310,8 @@ def psd_repair(matrix: Tensor, min_eig: float = 0.0) -> Tensor:
         ``(..., d, d)`` symmetric, eigenvalues ``>= min_eig``.
 
     Example:
-        >>> fixed = psd_repair(torch.tensor([[1.0, 2.0], [2.0, 1.0]]), min_eig=0.1)  # eigenvalues 3, -1
+        >>> # eigenvalues 3, -1
+        >>> fixed = psd_repair(torch.tensor([[1.0, 2.0], [2.0, 1.0]]), min_eig=0.1)
         >>> [round(v, 4) for v in torch.linalg.eigvalsh(fixed).tolist()]
         [0.1, 3.0]
     """

@@ -40,11 +40,20 @@ Example:
     >>> from pyro_smc.ops.gp_moments import se_ard_kernel, se_ard_moments, se_ard_predict
     >>> X = torch.randn(20, 2, dtype=torch.float64)
     >>> Y = torch.sin(X) + 0.1 * torch.randn(20, 2, dtype=torch.float64)
-    >>> ell, var, noise = torch.ones(2, 2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), torch.full((2,), 0.01, dtype=torch.float64)
-    >>> gram = se_ard_kernel(X, X, ell, var) + noise[:, None, None] * torch.eye(20, dtype=torch.float64)
+    >>> ell, var, noise = (
+    ...     torch.ones(2, 2, dtype=torch.float64),
+    ...     torch.ones(2, dtype=torch.float64),
+    ...     torch.full((2,), 0.01, dtype=torch.float64),
+    ... )
+    >>> gram = se_ard_kernel(X, X, ell, var) + noise[:, None, None] * torch.eye(
+    ...     20, dtype=torch.float64
+    ... )
     >>> gram_inv = torch.cholesky_inverse(torch.linalg.cholesky(gram))
     >>> beta = (gram_inv @ Y.T.unsqueeze(-1)).squeeze(-1)
-    >>> mu, S = torch.zeros(2, dtype=torch.float64), 1e-14 * torch.eye(2, dtype=torch.float64)
+    >>> mu, S = (
+    ...     torch.zeros(2, dtype=torch.float64),
+    ...     1e-14 * torch.eye(2, dtype=torch.float64),
+    ... )
     >>> M, V, C = se_ard_moments(mu, S, X, beta, gram_inv, ell, var)
     >>> m, v = se_ard_predict(mu, X, beta, gram_inv, ell, var)
     >>> torch.allclose(M, m) and torch.allclose(V.diagonal(), v, atol=1e-10)
@@ -84,7 +93,9 @@ def se_ard_kernel(x1: Tensor, x2: Tensor, lengthscale: Tensor, variance: Tensor)
 
     Example:
         >>> ell = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
-        >>> k = se_ard_kernel(torch.zeros(3, 2), torch.ones(4, 2), ell, torch.tensor([2.0, 1.0]))
+        >>> k = se_ard_kernel(
+        ...     torch.zeros(3, 2), torch.ones(4, 2), ell, torch.tensor([2.0, 1.0])
+        ... )
         >>> k.shape, round(float(k[0, 0, 0]), 4), round(float(k[1, 0, 0]), 4)  # 2 e^-1, e^-1/4
         (torch.Size([2, 3, 4]), 0.7358, 0.7788)
     """
@@ -135,7 +146,8 @@ def se_ard_predict(
 
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> X, y = torch.linspace(-2, 2, 5).unsqueeze(-1), torch.randn(1, 5)  # n = 5, D = 1, E = 1
+        >>> # n = 5, D = 1, E = 1
+        >>> X, y = torch.linspace(-2, 2, 5).unsqueeze(-1), torch.randn(1, 5)
         >>> ell, var = torch.ones(1, 1), torch.ones(1)
         >>> gram_inv = torch.linalg.inv(se_ard_kernel(X, X, ell, var) + 0.01 * torch.eye(5))
         >>> beta = (gram_inv @ y.unsqueeze(-1)).squeeze(-1)
@@ -180,13 +192,16 @@ def se_ard_linearize(
 
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> X, y = torch.linspace(-2, 2, 5).unsqueeze(-1), torch.randn(1, 5)  # n = 5, D = 1, E = 1
+        >>> # n = 5, D = 1, E = 1
+        >>> X, y = torch.linspace(-2, 2, 5).unsqueeze(-1), torch.randn(1, 5)
         >>> ell, var = torch.ones(1, 1), torch.ones(1)
         >>> gram_inv = torch.linalg.inv(se_ard_kernel(X, X, ell, var) + 0.01 * torch.eye(5))
         >>> beta = (gram_inv @ y.unsqueeze(-1)).squeeze(-1)
         >>> x = torch.tensor([[0.3]], requires_grad=True)
         >>> mean, jac, v = se_ard_linearize(x.detach(), X, beta, gram_inv, ell, var)
-        >>> (grad,) = torch.autograd.grad(se_ard_predict(x, X, beta, gram_inv, ell, var)[0].sum(), x)
+        >>> (grad,) = torch.autograd.grad(
+        ...     se_ard_predict(x, X, beta, gram_inv, ell, var)[0].sum(), x
+        ... )
         >>> jac.shape, bool(torch.allclose(jac.squeeze(-2), grad, atol=1e-4))
         (torch.Size([1, 1, 1]), True)
     """
@@ -331,16 +346,20 @@ def se_ard_moments(
 
     Example:
         >>> _ = torch.manual_seed(0)
-        >>> X, y = torch.linspace(-2, 2, 5).unsqueeze(-1), torch.randn(1, 5)  # n = 5, D = 1, E = 1
+        >>> # n = 5, D = 1, E = 1
+        >>> X, y = torch.linspace(-2, 2, 5).unsqueeze(-1), torch.randn(1, 5)
         >>> ell, var = torch.ones(1, 1), torch.ones(1)
         >>> gram_inv = torch.linalg.inv(se_ard_kernel(X, X, ell, var) + 0.01 * torch.eye(5))
         >>> beta = (gram_inv @ y.unsqueeze(-1)).squeeze(-1)
         >>> mu = torch.tensor([[0.3], [1.0]])  # two inputs
         >>> M, V, C = se_ard_moments(mu, torch.zeros(1, 1), X, beta, gram_inv, ell, var)
-        >>> m, v = se_ard_predict(mu, X, beta, gram_inv, ell, var)  # a point input: plain prediction
+        >>> # a point input: plain prediction
+        >>> m, v = se_ard_predict(mu, X, beta, gram_inv, ell, var)
         >>> M.shape, V.shape, C.shape
         (torch.Size([2, 1]), torch.Size([2, 1, 1]), torch.Size([2, 1, 1]))
-        >>> bool(torch.allclose(M, m, atol=1e-4) and torch.allclose(V.squeeze(-1), v, atol=1e-4))
+        >>> bool(
+        ...     torch.allclose(M, m, atol=1e-4) and torch.allclose(V.squeeze(-1), v, atol=1e-4)
+        ... )
         True
     """
     chunk_size = chunk_size or DEFAULT_CHUNK_SIZE

@@ -16,7 +16,9 @@ Example:
     >>> from pyro_smc.ops.kalman import kalman_filter
     >>> eye = torch.eye(2, dtype=torch.float64)
     >>> ys = torch.zeros(5, 2, dtype=torch.float64)
-    >>> out = kalman_filter(ys, 0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2, dtype=torch.float64), eye)
+    >>> out = kalman_filter(
+    ...     ys, 0.5 * eye, eye, eye, 0.1 * eye, torch.zeros(2, dtype=torch.float64), eye
+    ... )
     >>> out.means.shape, out.log_evidence_increments.shape
     (torch.Size([5, 2]), torch.Size([5]))
 """
@@ -63,7 +65,12 @@ def predict(mean: Tensor, cov: Tensor, A: Tensor, Q: Tensor) -> tuple[Tensor, Te
         ``(mean (..., d), cov (..., d, d))`` of the prediction.
 
     Example:
-        >>> m, P = predict(torch.tensor([1.0]), torch.tensor([[2.0]]), torch.tensor([[0.5]]), torch.tensor([[1.0]]))
+        >>> m, P = predict(
+        ...     torch.tensor([1.0]),
+        ...     torch.tensor([[2.0]]),
+        ...     torch.tensor([[0.5]]),
+        ...     torch.tensor([[1.0]]),
+        ... )
         >>> m.tolist(), P.tolist()  # (0.5 * 1, 0.25 * 2 + 1)
         ([0.5], [[1.5]])
     """
@@ -92,7 +99,11 @@ def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[
         >>> m, P, ll = update(torch.tensor([0.0]), one, torch.tensor([2.0]), one, one)
         >>> m.tolist(), P.tolist()  # gain 1 / 2
         ([1.0], [[0.5]])
-        >>> bool(torch.isclose(ll, torch.distributions.Normal(0.0, 2 ** 0.5).log_prob(torch.tensor(2.0))))
+        >>> bool(
+        ...     torch.isclose(
+        ...         ll, torch.distributions.Normal(0.0, 2**0.5).log_prob(torch.tensor(2.0))
+        ...     )
+        ... )
         True
     """
     S = _symmetrize(C @ cov @ C.transpose(-1, -2) + R)
@@ -123,7 +134,12 @@ def mask_missing(C: Tensor, y: Tensor, R: Tensor, observed: Tensor) -> tuple[Ten
         ``(C, y, R)`` masked.
 
     Example:
-        >>> C, y, R = mask_missing(torch.ones(2, 1), torch.tensor([1.0, float("nan")]), torch.ones(2, 2), torch.tensor([True, False]))
+        >>> C, y, R = mask_missing(
+        ...     torch.ones(2, 1),
+        ...     torch.tensor([1.0, float("nan")]),
+        ...     torch.ones(2, 2),
+        ...     torch.tensor([True, False]),
+        ... )
         >>> C.tolist(), y.tolist(), R.tolist()
         ([[1.0], [0.0]], [1.0, 0.0], [[1.0, 0.0], [0.0, 1.0]])
     """
@@ -157,7 +173,10 @@ def masked_update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor, ob
         >>> y = torch.tensor([1.0, float("nan")])
         >>> m, P, ll = masked_update(torch.zeros(2), eye, y, eye, eye, ~y.isnan())
         >>> m1, P1, ll1 = update(torch.zeros(1), eye[:1, :1], y[:1], eye[:1, :1], eye[:1, :1])
-        >>> [round(v, 4) for v in m.tolist() + P.diagonal().tolist()], bool(torch.isclose(ll, ll1))
+        >>> (
+        ...     [round(v, 4) for v in m.tolist() + P.diagonal().tolist()],
+        ...     bool(torch.isclose(ll, ll1)),
+        ... )
         ([0.5, 0.0, 0.5, 1.0], True)
     """
     C, y, R = mask_missing(C, y, R, observed)
@@ -198,7 +217,15 @@ def smooth_step(
 
     Example:
         >>> one = torch.tensor([[1.0]])
-        >>> m, P = smooth_step(torch.tensor([0.0]), one, torch.tensor([0.0]), 2 * one, torch.tensor([1.0]), one, one)
+        >>> m, P = smooth_step(
+        ...     torch.tensor([0.0]),
+        ...     one,
+        ...     torch.tensor([0.0]),
+        ...     2 * one,
+        ...     torch.tensor([1.0]),
+        ...     one,
+        ...     one,
+        ... )
         >>> m.tolist(), P.tolist()  # gain 1 / 2: 0 + 1 / 2, 1 + (1 - 2) / 4
         ([0.5], [[0.75]])
     """
@@ -313,8 +340,13 @@ def rts_smoother(filtered: FilterResult, A: Tensor) -> SmootherResult:
         >>> one = torch.tensor([[1.0]])
         >>> ys = torch.tensor([[0.0], [2.0]])
         >>> out = rts_smoother(kalman_filter(ys, one, one, one, one, torch.zeros(1), one), one)
-        >>> y = torch.distributions.MultivariateNormal(torch.zeros(2), torch.tensor([[2.0, 1.0], [1.0, 3.0]]))
-        >>> [round(v, 4) for v in out.means.squeeze(-1).tolist()], bool(torch.isclose(out.log_evidence, y.log_prob(ys.squeeze(-1))))
+        >>> y = torch.distributions.MultivariateNormal(
+        ...     torch.zeros(2), torch.tensor([[2.0, 1.0], [1.0, 3.0]])
+        ... )
+        >>> (
+        ...     [round(v, 4) for v in out.means.squeeze(-1).tolist()],
+        ...     bool(torch.isclose(out.log_evidence, y.log_prob(ys.squeeze(-1)))),
+        ... )
         ([0.4, 1.2], True)
     """
     T = filtered.means.shape[0]

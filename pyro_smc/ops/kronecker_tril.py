@@ -55,7 +55,11 @@ def kron_tril_logdet(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
         >>> L_row = torch.tensor([[2.0, 0.0], [0.3, 1.0]])
         >>> L_col = torch.tensor([[1.5, 0.0, 0.0], [0.2, 0.5, 0.0], [0.1, 0.4, 1.0]])
         >>> cov = torch.kron(L_col @ L_col.T, L_row @ L_row.T)
-        >>> bool(torch.isclose(kron_tril_logdet(L_row, L_col), 0.5 * torch.logdet(cov), atol=1e-5))
+        >>> bool(
+        ...     torch.isclose(
+        ...         kron_tril_logdet(L_row, L_col), 0.5 * torch.logdet(cov), atol=1e-5
+        ...     )
+        ... )
         True
     """
     scale_tril_row, scale_tril_col = _check_kron("kron_tril_logdet", scale_tril_row, scale_tril_col, names=_TRIL_NAMES)

@@ -17,7 +17,7 @@ See ``docs/math/streaming.md#initialising-a-step``.
 Example:
     >>> import torch
     >>> m, P = torch.zeros(1, dtype=torch.float64), torch.eye(1, dtype=torch.float64)
-    >>> def log_g(x):                                  # y = 2 observed with noise variance 1
+    >>> def log_g(x):  # y = 2 observed with noise variance 1
     ...     return -0.5 * (2.0 - x).square().sum()
     >>> loc, cov = laplace_newton(log_g, m, P)
     >>> round(float(loc), 6), round(float(cov), 6)     # the Kalman update
@@ -73,7 +73,9 @@ def posterior_scale_tril(prior_tril: Tensor, curvature: Tensor) -> Tensor:
 
     Example:
         >>> L = torch.eye(2, dtype=torch.float64)
-        >>> S = posterior_scale_tril(L, torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64)))
+        >>> S = posterior_scale_tril(
+        ...     L, torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64))
+        ... )
         >>> [round(v, 6) for v in (S @ S.T).diagonal().tolist()]        # 1 / (1 + h)
         [0.5, 0.25]
     """

@@ -68,7 +68,9 @@ def weighted_quantiles(values: Tensor, log_weights: Tensor, probs: Tensor) -> Te
 
     Example:
         >>> x = torch.tensor([3.0, 1.0, 2.0, 4.0])
-        >>> weighted_quantiles(x, torch.tensor([0.1, 0.4, 0.4, 0.1]).log(), torch.tensor([0.3, 0.5, 0.95])).tolist()
+        >>> weighted_quantiles(
+        ...     x, torch.tensor([0.1, 0.4, 0.4, 0.1]).log(), torch.tensor([0.3, 0.5, 0.95])
+        ... ).tolist()
         [1.0, 2.0, 4.0]
     """
     batch = log_weights.dim() - 1
@@ -97,7 +99,9 @@ def multinomial(log_weights: Tensor, generator: torch.Generator | None = None) -
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
-        >>> idx = multinomial(torch.tensor([[0.0, -float("inf")], [-float("inf"), 0.0]]), generator=g)
+        >>> idx = multinomial(
+        ...     torch.tensor([[0.0, -float("inf")], [-float("inf"), 0.0]]), generator=g
+        ... )
         >>> idx.tolist()  # each row has one particle of positive weight
         [[0, 0], [1, 1]]
     """
@@ -116,7 +120,8 @@ def stratified(log_weights: Tensor, generator: torch.Generator | None = None) ->
     Example:
         >>> g = torch.Generator().manual_seed(0)
         >>> lw = torch.tensor([0.5, 0.25, 0.25, 0.0]).log()
-        >>> stratified(lw, generator=g).tolist()  # the cumulative weights fall on the strata edges
+        >>> # the cumulative weights fall on the strata edges
+        >>> stratified(lw, generator=g).tolist()
         [0, 0, 1, 2]
         >>> stratified(lw.expand(5, 4), generator=g).shape
         torch.Size([5, 4])
@@ -141,7 +146,8 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
     Example:
         >>> g = torch.Generator().manual_seed(0)
         >>> idx = systematic(torch.tensor([0.5, 0.25, 0.25, 0.0]).log(), generator=g)
-        >>> torch.bincount(idx, minlength=4).tolist()  # exactly N w_j copies when N w_j is whole
+        >>> # exactly N w_j copies when N w_j is whole
+        >>> torch.bincount(idx, minlength=4).tolist()
         [2, 1, 1, 0]
     """
     check_log_weights(log_weights)
@@ -250,7 +256,12 @@ def kernel_mixture_log_density(points: Tensor, centres: Tensor, log_weights: Ten
         >>> lw = torch.tensor([0.25, 0.75]).log()
         >>> c = torch.tensor([[0.0], [1.0]])
         >>> m = kernel_mixture_log_density(torch.tensor([[0.0]]), c, lw, torch.tensor(1.0))
-        >>> ref = torch.distributions.Normal(c.squeeze(-1), 1.0).log_prob(torch.zeros(2)).add(lw).logsumexp(-1)
+        >>> ref = (
+        ...     torch.distributions.Normal(c.squeeze(-1), 1.0)
+        ...     .log_prob(torch.zeros(2))
+        ...     .add(lw)
+        ...     .logsumexp(-1)
+        ... )
         >>> bool(torch.allclose(m, ref))
         True
     """

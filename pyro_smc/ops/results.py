@@ -29,7 +29,9 @@ Example:
     >>> import torch
     >>> from pyro_smc.ops.results import FilterResult
     >>> z = torch.zeros(3, 1, dtype=torch.float64)
-    >>> out = FilterResult(z, z[..., None], z, z[..., None], torch.full((3,), -1.0, dtype=torch.float64))
+    >>> out = FilterResult(
+    ...     z, z[..., None], z, z[..., None], torch.full((3,), -1.0, dtype=torch.float64)
+    ... )
     >>> out.log_evidence.item()
     -3.0
 """
@@ -56,7 +58,9 @@ class FilterResult(NamedTuple):
     Example:
         >>> import torch
         >>> z = torch.zeros(3, 1)
-        >>> out = FilterResult(z, z[..., None], z, z[..., None], torch.tensor([-1.0, -0.5, 0.0]))
+        >>> out = FilterResult(
+        ...     z, z[..., None], z, z[..., None], torch.tensor([-1.0, -0.5, 0.0])
+        ... )
         >>> out.means.shape, float(out.log_evidence)
         (torch.Size([3, 1]), -1.5)
     """

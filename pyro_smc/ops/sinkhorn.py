@@ -78,7 +78,12 @@ The differentiable ensemble transform (Corenflos et al., 2021) built on it is
 
 Example:
     >>> import math, torch
-    >>> from pyro_smc.ops.sinkhorn import sinkhorn, sinkhorn_solve, squared_distances, transport_plan
+    >>> from pyro_smc.ops.sinkhorn import (
+    ...     sinkhorn,
+    ...     sinkhorn_solve,
+    ...     squared_distances,
+    ...     transport_plan,
+    ... )
     >>> x = torch.randn(3, 5, 2, dtype=torch.float64)           # 3 problems, 5 points each
     >>> cost = squared_distances(x, x)
     >>> log_a = torch.full((3, 5), -math.log(5), dtype=torch.float64)
@@ -87,11 +92,20 @@ Example:
     >>> plan = transport_plan(cost, log_a, log_b, f, g, 0.1)
     >>> torch.allclose(plan.sum(-2), log_b.exp(), atol=1e-8)
     True
-    >>> result = sinkhorn_solve(cost, log_a, log_b, epsilon=0.1, threshold=1e-9, max_iter=2000)
+    >>> result = sinkhorn_solve(
+    ...     cost, log_a, log_b, epsilon=0.1, threshold=1e-9, max_iter=2000
+    ... )
     >>> result.converged.tolist(), bool(torch.equal(result.f, f))
     ([True, True, True], True)
     >>> from pyro_smc.ops.sinkhorn import SinkhornSettings, solve
-    >>> bool(torch.equal(solve(cost, log_a, log_b, SinkhornSettings(0.1, threshold=1e-9, max_iter=2000)).g, g))
+    >>> bool(
+    ...     torch.equal(
+    ...         solve(
+    ...             cost, log_a, log_b, SinkhornSettings(0.1, threshold=1e-9, max_iter=2000)
+    ...         ).g,
+    ...         g,
+    ...     )
+    ... )
     True
 
 References:
@@ -141,7 +155,9 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
         ``||x_i - y_j||^2``, shape ``(..., N, M)``, clamped at zero.
 
     Example:
-        >>> squared_distances(torch.tensor([[0.0, 0.0], [3.0, 4.0]]), torch.tensor([[0.0, 0.0]])).tolist()
+        >>> squared_distances(
+        ...     torch.tensor([[0.0, 0.0], [3.0, 4.0]]), torch.tensor([[0.0, 0.0]])
+        ... ).tolist()
         [[0.0], [25.0]]
     """
     xx = (x * x).sum(-1).unsqueeze(-1)
@@ -187,7 +203,12 @@ def solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings
         >>> x = torch.tensor([[0.0], [1.0], [2.0]])
         >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
         >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
-        >>> result = solve(cost, log_a, log_b, SinkhornSettings(0.1, threshold=1e-5, max_iter=500, gradient="unroll"))
+        >>> result = solve(
+        ...     cost,
+        ...     log_a,
+        ...     log_b,
+        ...     SinkhornSettings(0.1, threshold=1e-5, max_iter=500, gradient="unroll"),
+        ... )
         >>> bool(result.converged), result.f.shape
         (True, torch.Size([3]))
     """
@@ -238,7 +259,9 @@ def sinkhorn_solve(
         >>> import warnings
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore", SinkhornConvergenceWarning)
-        ...     hard = sinkhorn_solve(cost, log_a, log_b, 0.01, scaling=0.0, threshold=1e-6, max_iter=2)
+        ...     hard = sinkhorn_solve(
+        ...         cost, log_a, log_b, 0.01, scaling=0.0, threshold=1e-6, max_iter=2
+        ...     )
         >>> hard.converged.tolist(), hard.num_iterations.tolist()
         ([False, False], [2, 2])
     """

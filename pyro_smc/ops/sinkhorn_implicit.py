@@ -16,7 +16,9 @@ Example:
     >>> from pyro_smc.ops.sinkhorn_implicit import implicit_solve
     >>> cost = torch.rand(2, 5, 5, dtype=torch.float64, requires_grad=True)
     >>> log_w = torch.full((2, 5), -math.log(5), dtype=torch.float64)
-    >>> result = implicit_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=1000))
+    >>> result = implicit_solve(
+    ...     cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=1000)
+    ... )
     >>> result.f.requires_grad, result.converged.requires_grad, result.converged.tolist()
     (True, False, [True, True])
 """
@@ -138,7 +140,12 @@ def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Ten
 
     Example:
         >>> import math
-        >>> from pyro_smc.ops.sinkhorn import implicit_adjoint, sinkhorn, squared_distances, transport_plan
+        >>> from pyro_smc.ops.sinkhorn import (
+        ...     implicit_adjoint,
+        ...     sinkhorn,
+        ...     squared_distances,
+        ...     transport_plan,
+        ... )
         >>> x = torch.tensor([[0.0], [1.0], [2.0]])
         >>> cost, log_a = squared_distances(x, x), torch.full((3,), -math.log(3))
         >>> log_b = torch.tensor([0.5, 0.3, 0.2]).log()
@@ -147,7 +154,10 @@ def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Ten
         >>> K = transport_plan(cost, log_a, log_b, f, g, 0.1) / (sqrt_a[:, None] * sqrt_b)
         >>> grad_g = torch.tensor([1.0, -2.0, 1.0])  # sums to 0: the system is consistent
         >>> alpha, beta = implicit_adjoint(K, sqrt_a, sqrt_b, torch.zeros(3), grad_g, 1e-6)
-        >>> bool(torch.allclose(K @ beta, -alpha, atol=1e-4) and torch.allclose(K.T @ alpha + beta, grad_g / sqrt_b, atol=1e-4))
+        >>> bool(
+        ...     torch.allclose(K @ beta, -alpha, atol=1e-4)
+        ...     and torch.allclose(K.T @ alpha + beta, grad_g / sqrt_b, atol=1e-4)
+        ... )
         True
     """
     r_f = grad_f / sqrt_a

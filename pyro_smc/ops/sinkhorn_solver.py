@@ -27,7 +27,9 @@ Example:
     >>> from pyro_smc.ops.sinkhorn_solver import forward_solve
     >>> cost = torch.rand(3, 6, 6, dtype=torch.float64)         # 3 problems, 6 x 6 points
     >>> log_w = torch.full((3, 6), -math.log(6), dtype=torch.float64)
-    >>> result = forward_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-6, max_iter=1000))
+    >>> result = forward_solve(
+    ...     cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-6, max_iter=1000)
+    ... )
     >>> result.converged.shape, bool(result.converged.all())
     (torch.Size([3]), True)
 """
@@ -331,7 +333,9 @@ def forward_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhorn
         >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
         >>> cost = torch.rand(2, 5, 5, dtype=torch.float64)
         >>> log_w = torch.full((2, 5), -math.log(5), dtype=torch.float64)
-        >>> forward_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=500)).converged.tolist()
+        >>> forward_solve(
+        ...     cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=500)
+        ... ).converged.tolist()
         [True, True]
     """
     epsilon, threshold, max_iter = settings.epsilon, settings.threshold, settings.max_iter

@@ -113,7 +113,9 @@ class SinkhornConvergenceWarning(UserWarning):
         >>> log_a, log_b = torch.full((2,), -math.log(2)), torch.tensor([0.9, 0.1]).log()
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     _ = sinkhorn(cost, log_a, log_b, epsilon=0.01, scaling=0.0, threshold=1e-9, max_iter=1)
+        ...     _ = sinkhorn(
+        ...         cost, log_a, log_b, epsilon=0.01, scaling=0.0, threshold=1e-9, max_iter=1
+        ...     )
         >>> [w.category.__name__ for w in caught]
         ['SinkhornConvergenceWarning']
     """
@@ -138,9 +140,16 @@ class SinkhornResult(NamedTuple):
         >>> import math, torch
         >>> from pyro_smc.ops.sinkhorn import sinkhorn_solve
         >>> cost = torch.tensor([[0.0, 1.0], [1.0, 0.0]]).expand(3, 2, 2)
-        >>> log_a, log_b = torch.full((3, 2), -math.log(2)), torch.tensor([0.6, 0.4]).log().expand(3, 2)
+        >>> log_a, log_b = (
+        ...     torch.full((3, 2), -math.log(2)),
+        ...     torch.tensor([0.6, 0.4]).log().expand(3, 2),
+        ... )
         >>> result = sinkhorn_solve(cost, log_a, log_b, epsilon=0.5, threshold=1e-4)
-        >>> result.f.shape, result.converged.tolist(), bool((result.marginal_error < 1e-4).all())
+        >>> (
+        ...     result.f.shape,
+        ...     result.converged.tolist(),
+        ...     bool((result.marginal_error < 1e-4).all()),
+        ... )
         (torch.Size([3, 2]), [True, True, True], True)
     """
 

@@ -13,7 +13,12 @@ Example:
     >>> from pyro_smc.ops.sinkhorn_unrolled import unrolled_solve
     >>> cost = torch.rand(2, 5, 5, dtype=torch.float64, requires_grad=True)
     >>> log_w = torch.full((2, 5), -math.log(5), dtype=torch.float64)
-    >>> result = unrolled_solve(cost, log_w, log_w, SinkhornSettings(0.5, threshold=1e-8, max_iter=1000, gradient="unroll"))
+    >>> result = unrolled_solve(
+    ...     cost,
+    ...     log_w,
+    ...     log_w,
+    ...     SinkhornSettings(0.5, threshold=1e-8, max_iter=1000, gradient="unroll"),
+    ... )
     >>> result.f.requires_grad, result.converged.tolist()
     (True, [True, True])
 """

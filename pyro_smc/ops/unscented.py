@@ -44,7 +44,9 @@ def sigma_points(mean: Tensor, cov: Tensor, alpha: float = 1.0, beta: float = 0.
         RuntimeError: (``torch.linalg.LinAlgError``) if ``cov`` is not positive definite.
 
     Example:
-        >>> points, wm, wc = sigma_points(torch.tensor([1.0, -1.0]), torch.diag(torch.tensor([4.0, 1.0])))
+        >>> points, wm, wc = sigma_points(
+        ...     torch.tensor([1.0, -1.0]), torch.diag(torch.tensor([4.0, 1.0]))
+        ... )
         >>> points.shape, round(float(wm.sum()), 4)
         (torch.Size([5, 2]), 1.0)
         >>> bool(torch.allclose(wm @ points, torch.tensor([1.0, -1.0])))
@@ -100,8 +102,12 @@ def unscented_moments(
     Example:
         >>> A, b = torch.tensor([[1.0, 2.0], [0.0, 3.0]]), torch.tensor([1.0, 0.0])
         >>> m, P = torch.tensor([1.0, 1.0]), torch.tensor([[2.0, 0.5], [0.5, 1.0]])
-        >>> mean, cov, cross = unscented_moments(lambda x: x @ A.T + b, m, P)  # exact for linear fn
-        >>> [bool(torch.allclose(u, v, atol=1e-5)) for u, v in ((mean, A @ m + b), (cov, A @ P @ A.T), (cross, P @ A.T))]
+        >>> # exact for linear fn
+        >>> mean, cov, cross = unscented_moments(lambda x: x @ A.T + b, m, P)
+        >>> [
+        ...     bool(torch.allclose(u, v, atol=1e-5))
+        ...     for u, v in ((mean, A @ m + b), (cov, A @ P @ A.T), (cross, P @ A.T))
+        ... ]
         [True, True, True]
     """
     points, dx, wm, wc = _sigma_points(mean, cov, alpha, beta, kappa)

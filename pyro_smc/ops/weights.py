@@ -36,7 +36,10 @@ def all_finite(values: Tensor) -> bool:
         ``bool``: ``True`` for an empty tensor.
 
     Example:
-        >>> all_finite(torch.tensor([3e38, 3e38])), all_finite(torch.tensor([0.0, float("nan")]))
+        >>> (
+        ...     all_finite(torch.tensor([3e38, 3e38])),
+        ...     all_finite(torch.tensor([0.0, float("nan")])),
+        ... )
         (True, False)
     """
     if values.numel() == 0:
@@ -151,7 +154,9 @@ def log_mean_exp(log_values: Tensor, dim: int = -1) -> Tensor:
         ``log_values.shape`` without ``dim``.
 
     Example:
-        >>> round(float(log_mean_exp(torch.tensor([1.0, 3.0]).log())), 4) == round(float(torch.tensor(2.0).log()), 4)
+        >>> round(float(log_mean_exp(torch.tensor([1.0, 3.0]).log())), 4) == round(
+        ...     float(torch.tensor(2.0).log()), 4
+        ... )
         True
         >>> log_mean_exp(torch.zeros(4, 5), dim=0).shape
         torch.Size([5])

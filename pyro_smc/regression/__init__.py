@@ -28,7 +28,7 @@ Example:
     >>> x = torch.randn(200, 2, dtype=torch.float64)
     >>> reg = make_regressor("quadratic").fit(x, (x ** 2).sum(-1))
     >>> x_new = torch.ones(5, 2, dtype=torch.float64, requires_grad=True)
-    >>> v = reg(x_new)                                                 # (5,), differentiable in x_new
+    >>> v = reg(x_new)  # (5,), differentiable in x_new
     >>> v.sum().backward()
     >>> v.shape, torch.allclose(x_new.grad, 2 * x_new.detach(), atol=1e-6)
     (torch.Size([5]), True)

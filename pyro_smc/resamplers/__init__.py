@@ -1,4 +1,4 @@
-"""Resamplers: weighted particles in, (re)weighted particles out, all with one signature.
+r"""Resamplers: weighted particles in, (re)weighted particles out, all with one signature.
 
 See ``docs/math/smc.md#index-resampling`` and ``docs/math/smc.md#soft-resampling`` and
 ``docs/math/smc.md#optimal-transport-resampling`` and ``docs/math/smc.md#kernel-mixture-resampling``.
@@ -27,7 +27,7 @@ resampler keeps no record of its last call.
   :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` (whether each filter's transport converged).
 * :class:`KernelResampler` (``pyro_smc.resamplers.kernel``): the mixture resampling of
   Younis and Sudderth (2023): new particles drawn from a Gaussian kernel density around the
-  weighted particles, with new log-weights ``-log N`` in value that carry the gradient of the
+  weighted particles, with new log-weights :math:`-\log N` in value that carry the gradient of the
   mixture density (a regularised filter).
 
 **Two meanings of** ``gradient=``. The keyword is kept on two families, with two meanings, and
@@ -37,7 +37,7 @@ each class says which it has:
   the ``Resampler.estimator`` property (a :class:`GradientEstimator`): ``"detach"``
   (``PATHWISE``, the default), ``"stop_gradient"`` (``SCORE``: the Fisher-identity estimator
   of Scibior and Wood, 2021) or ``"marginal_stop_gradient"`` (``MARGINAL_SCORE``: the
-  ``O(N^2)`` estimator of Poyiadjis, Doucet and Singh, 2011); see :class:`IndexResampler` and
+  :math:`O(N^2)` estimator of Poyiadjis, Doucet and Singh, 2011); see :class:`IndexResampler` and
   ``docs/math/smc.md#stop-gradient-resampling``;
 * on :class:`OTResampler` it says **how Sinkhorn is differentiated**: ``"implicit"`` (exact,
   the default), ``"unroll"`` or ``"last_step"`` (``pyro_smc.ops.sinkhorn.GRADIENT_MODES``,
@@ -68,7 +68,9 @@ Example:
     >>> import math
     >>> from pyro_smc.resamplers import SystematicResampler
     >>> log_w = torch.tensor([0.1, 0.2, 0.3, 0.4]).log().requires_grad_()
-    >>> new, new_log_w = SystematicResampler(gradient="stop_gradient")({"x": torch.arange(4.0)}, log_w)
+    >>> new, new_log_w = SystematicResampler(gradient="stop_gradient")(
+    ...     {"x": torch.arange(4.0)}, log_w
+    ... )
     >>> bool((new_log_w == -math.log(4)).all()), new_log_w.requires_grad
     (True, True)
 """

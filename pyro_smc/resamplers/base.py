@@ -12,7 +12,9 @@ shared by the resampler modules of this package.
 Example:
     >>> import torch
     >>> from pyro_smc.resamplers import SystematicResampler
-    >>> out = SystematicResampler().resample({"x": torch.arange(4.0)}, torch.zeros(4).log_softmax(-1))
+    >>> out = SystematicResampler().resample(
+    ...     {"x": torch.arange(4.0)}, torch.zeros(4).log_softmax(-1)
+    ... )
     >>> out.ancestors.tolist(), out.log_weights.exp().tolist()
     ([0, 1, 2, 3], [0.25, 0.25, 0.25, 0.25])
 """
@@ -44,7 +46,7 @@ Particles = dict[str, Tensor]
 
 
 class GradientEstimator(enum.Enum):
-    """Which estimator of the gradient of ``log Z`` a resampler asks :class:`~pyro_smc.SMC` for.
+    r"""Which estimator of the gradient of :math:`\log Z` a resampler asks :class:`~pyro_smc.SMC` for.
 
     Read from ``Resampler.estimator``. On the index resamplers it is chosen by their
     ``gradient=`` keyword (see :mod:`pyro_smc.resamplers`, "Two meanings of ``gradient=``").
@@ -53,7 +55,7 @@ class GradientEstimator(enum.Enum):
       new weights, soft, kernel and OT resampling).
     * ``SCORE``: the Fisher-identity estimator: ``SMC`` detaches the proposal draws and adds their
       score terms (``gradient="stop_gradient"`` of the index resamplers).
-    * ``MARGINAL_SCORE``: the same with the ``O(N^2)`` score of the marginal transition density
+    * ``MARGINAL_SCORE``: the same with the :math:`O(N^2)` score of the marginal transition density
       (``gradient="marginal_stop_gradient"``).
 
     Example:
@@ -82,7 +84,9 @@ class Resampled(NamedTuple):
     Example:
         >>> import torch
         >>> from pyro_smc.resamplers import SystematicResampler
-        >>> out = SystematicResampler().resample({"x": torch.arange(4.0)}, torch.zeros(4).log_softmax(-1))
+        >>> out = SystematicResampler().resample(
+        ...     {"x": torch.arange(4.0)}, torch.zeros(4).log_softmax(-1)
+        ... )
         >>> out.ancestors.tolist(), out.diagnostics is None
         ([0, 1, 2, 3], True)
     """
@@ -199,7 +203,9 @@ def gather(particles: Particles, index: Tensor) -> Particles:
     Example:
         >>> import torch
         >>> from pyro_smc.resamplers.base import gather
-        >>> gather({"x": torch.tensor([[0.0, 1.0], [2.0, 3.0]])}, torch.tensor([1, 1]))["x"].tolist()
+        >>> gather({"x": torch.tensor([[0.0, 1.0], [2.0, 3.0]])}, torch.tensor([1, 1]))[
+        ...     "x"
+        ... ].tolist()
         [[2.0, 3.0], [2.0, 3.0]]
     """
     out = {}
@@ -224,7 +230,9 @@ def flatten_floats(particles: Particles, log_weights: Tensor) -> tuple[Tensor, P
     Example:
         >>> import torch
         >>> from pyro_smc.resamplers.base import flatten_floats
-        >>> x, floats = flatten_floats({"a": torch.zeros(5, 2, 3), "k": torch.zeros(5).long()}, torch.zeros(5))
+        >>> x, floats = flatten_floats(
+        ...     {"a": torch.zeros(5, 2, 3), "k": torch.zeros(5).long()}, torch.zeros(5)
+        ... )
         >>> x.shape, list(floats)
         (torch.Size([5, 6]), ['a'])
     """

@@ -38,10 +38,10 @@ _ESTIMATORS = {
 
 
 class IndexResampler(Resampler):
-    """Unbiased index resampling by a scheme of :mod:`pyro_smc.ops.resample` (the shared base).
+    r"""Unbiased index resampling by a scheme of :mod:`pyro_smc.ops.resample` (the shared base).
 
-    Ancestors ``A_i`` are drawn from the normalised log-weights by the subclass's ``scheme`` so
-    that ``E[#{i: A_i = j}] = N w_j``; every state tensor takes the value of the ancestor, and the
+    Ancestors :math:`A_i` are drawn from the normalised log-weights by the subclass's ``scheme`` so
+    that :math:`\mathbb E[\#\{i : A_i = j\}] = N w_j`; every state tensor takes the value of the ancestor, and the
     new weights are equal. :meth:`resample` returns the ancestors (``Resampled.ancestors``,
     int64 ``(..., N)``: new particle ``i`` is old particle ``ancestors[..., i]``), which
     :meth:`SMC.smooth <pyro_smc.infer.smc.SMC.smooth>` uses for the genealogy.
@@ -56,11 +56,11 @@ class IndexResampler(Resampler):
             ``"marginal_stop_gradient"``.
 
             * ``"detach"`` (``GradientEstimator.PATHWISE``): the new log-weights are the
-              constants ``-log N``; gradients reach the new particles only through the selected
+              constants :math:`-\log N`; gradients reach the new particles only through the selected
               particles' values (pathwise), and the resampling terms of the score are dropped.
             * ``"stop_gradient"`` (``GradientEstimator.SCORE``): the same ancestors and the
-              same values, but the new log-weights are ``log w[A_i] - stop_grad(log w[A_i]) -
-              log N``: ``-log N`` in value (bit for bit), with the gradient of the ancestor's
+              same values, but the new log-weights are :math:`\log w_{A_i} - \operatorname{stop\_grad}(\log w_{A_i}) -
+              \log N`: :math:`-\log N` in value (bit for bit), with the gradient of the ancestor's
               log-weight. Given such a resampler ``SMC`` detaches the proposal draws and adds
               their score-function terms, so that the gradient of ``log_evidence`` is the
               Fisher-identity estimator of the score (Scibior and Wood, 2021), which also reaches
@@ -70,9 +70,9 @@ class IndexResampler(Resampler):
               resampler acts as for ``"stop_gradient"`` (same ancestors, values and new
               log-weights); ``SMC`` then replaces each step's single-ancestor transition score by
               the score of the marginal (mixture) transition density
-              ``log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)``, over all particle pairs: the
-              ``O(N^2)`` estimator of Poyiadjis, Doucet and Singh (2011), whose variance does not
-              grow with the number of steps. Bootstrap filters only, ``O(B N^2)`` memory per
+              :math:`\log \sum_j w_{t-1}^j f(x_t^i \mid x_{t-1}^j)`, over all particle pairs: the
+              :math:`O(N^2)` estimator of Poyiadjis, Doucet and Singh (2011), whose variance does not
+              grow with the number of steps. Bootstrap filters only, :math:`O(B N^2)` memory per
               step. See ``docs/math/smc.md#marginal-stop-gradient``.
 
     Attributes:
@@ -92,7 +92,9 @@ class IndexResampler(Resampler):
         >>> import torch
         >>> from pyro_smc.resamplers import SystematicResampler
         >>> log_w = torch.tensor([0.1, 0.2, 0.3, 0.4]).log().requires_grad_()
-        >>> out = SystematicResampler(gradient="stop_gradient").resample({"x": torch.arange(4.0)}, log_w)
+        >>> out = SystematicResampler(gradient="stop_gradient").resample(
+        ...     {"x": torch.arange(4.0)}, log_w
+        ... )
         >>> bool((out.log_weights == -math.log(4)).all()), out.log_weights.requires_grad
         (True, True)
         >>> torch.equal(out.particles["x"], out.ancestors.float())
@@ -125,23 +127,29 @@ class IndexResampler(Resampler):
 
 
 class MultinomialResampler(IndexResampler):
-    """Multinomial resampling: ancestors drawn i.i.d. from the weights.
+    r"""Multinomial resampling: ancestors drawn i.i.d. from the weights.
 
     The highest-variance scheme of the three: each particle's number of copies is
-    ``Binomial(N, w_i)``. Arguments, returns and ``gradient=`` as for :class:`IndexResampler`.
+    :math:`\operatorname{Binomial}(N, w_i)`. Arguments, returns and ``gradient=`` as for :class:`IndexResampler`.
 
     Example:
-        Each particle's number of copies is on average ``N w_i``:
+        Each particle's number of copies is on average :math:`N w_i`:
 
         >>> import torch
         >>> from pyro_smc.resamplers import MultinomialResampler
         >>> _ = torch.manual_seed(0)
         >>> w = torch.tensor([0.5, 0.3, 0.2, 0.0])
-        >>> out = MultinomialResampler().resample({"x": torch.arange(4.0).expand(2000, 4)}, w.log().expand(2000, 4))
-        >>> copies = torch.stack([(out.particles["x"] == i).sum(-1) for i in range(4)], -1).float()   # (2000, 4)
-        >>> bool(((copies.mean(0) - 4 * w).abs() < 0.1).all())              # N w = (2, 1.2, 0.8, 0), s.e. <= 0.03
+        >>> out = MultinomialResampler().resample(
+        ...     {"x": torch.arange(4.0).expand(2000, 4)}, w.log().expand(2000, 4)
+        ... )
+        >>> # (2000, 4)
+        >>> copies = torch.stack(
+        ...     [(out.particles["x"] == i).sum(-1) for i in range(4)], -1
+        ... ).float()
+        >>> # N w = (2, 1.2, 0.8, 0), s.e. <= 0.03
+        >>> bool(((copies.mean(0) - 4 * w).abs() < 0.1).all())
         True
-        >>> out.ancestors.shape, out.log_weights.shape                      # (R, N) ancestors, equal weights
+        >>> out.ancestors.shape, out.log_weights.shape  # (R, N) ancestors, equal weights
         (torch.Size([2000, 4]), torch.Size([2000, 4]))
     """
 
@@ -149,7 +157,7 @@ class MultinomialResampler(IndexResampler):
 
 
 class StratifiedResampler(IndexResampler):
-    """Stratified resampling: one uniform per stratum ``[(i-1)/N, i/N)``.
+    """Stratified resampling: one uniform per stratum :math:`[(i-1)/N, i/N)`.
 
     Arguments, returns and ``gradient=`` as for :class:`IndexResampler`.
 
@@ -164,7 +172,10 @@ class StratifiedResampler(IndexResampler):
         >>> out = StratifiedResampler().resample({"x": x}, torch.full((8,), 1 / 8).log())
         >>> torch.equal(out.ancestors.sort().values, torch.arange(8))
         True
-        >>> torch.equal(out.particles["x"], x[out.ancestors]), torch.allclose(out.log_weights.exp(), torch.full((8,), 1 / 8))
+        >>> (
+        ...     torch.equal(out.particles["x"], x[out.ancestors]),
+        ...     torch.allclose(out.log_weights.exp(), torch.full((8,), 1 / 8)),
+        ... )
         (True, True)
     """
 
@@ -172,7 +183,7 @@ class StratifiedResampler(IndexResampler):
 
 
 class SystematicResampler(IndexResampler):
-    """Systematic resampling: one shared uniform; the lowest variance of the three and the default
+    r"""Systematic resampling: one shared uniform; the lowest variance of the three and the default
     of :class:`~pyro_smc.SMC`.
 
     Arguments, returns and ``gradient=`` as for :class:`IndexResampler`;
@@ -187,11 +198,11 @@ class SystematicResampler(IndexResampler):
         >>> new, new_log_w = SystematicResampler()({"x": x}, log_w)
         >>> new["x"].shape, new_log_w.shape
         (torch.Size([1000, 2]), torch.Size([1000]))
-        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
+        >>> mean = (log_w.exp()[:, None] * x).sum(0)  # weighted mean kept
         >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
         True
 
-        Each particle is copied ``floor(N w)`` or ``ceil(N w)`` times:
+        Each particle is copied :math:`\lfloor N w \rfloor` or :math:`\lceil N w \rceil` times:
 
         >>> w = torch.tensor([0.1, 0.2, 0.3, 0.4])
         >>> out = SystematicResampler().resample({"x": torch.arange(4.0)}, w.log())

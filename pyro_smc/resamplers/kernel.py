@@ -1,5 +1,5 @@
-"""Kernel (mixture) resampling (Younis and Sudderth, 2023): new particles drawn from a Gaussian
-kernel density around the weighted particles, with new log-weights ``-log N`` in value that carry
+r"""Kernel (mixture) resampling (Younis and Sudderth, 2023): new particles drawn from a Gaussian
+kernel density around the weighted particles, with new log-weights :math:`-\log N` in value that carry
 the gradient of the mixture density (a regularised filter).
 
 See ``docs/math/smc.md#kernel-mixture-resampling``.
@@ -7,7 +7,9 @@ See ``docs/math/smc.md#kernel-mixture-resampling``.
 Example:
     >>> import torch
     >>> from pyro_smc.resamplers import KernelResampler
-    >>> out = KernelResampler(bandwidth=0.1).resample({"x": torch.zeros(5, 2)}, torch.zeros(5).log_softmax(-1))
+    >>> out = KernelResampler(bandwidth=0.1).resample(
+    ...     {"x": torch.zeros(5, 2)}, torch.zeros(5).log_softmax(-1)
+    ... )
     >>> out.particles["x"].shape, out.ancestors is None
     (torch.Size([5, 2]), True)
 """
@@ -29,41 +31,41 @@ _KERNEL_SCHEMES = {"systematic": schemes.systematic, "multinomial": schemes.mult
 
 
 class KernelResampler(Resampler):
-    """Kernel (mixture) resampling: draws from a Gaussian kernel density of the weighted particles.
+    r"""Kernel (mixture) resampling: draws from a Gaussian kernel density of the weighted particles.
 
     The Mixture Density Particle Filter resampler of Younis and Sudderth (2023). The floating-point
-    state tensors are flattened per particle and concatenated into ``x_j`` (length ``D``); the
-    weighted particles define the mixture ``m(x) = sum_j w_j N(x; x_j, diag(h^2))``. The new
-    particles are ``x~_i = x_{A_i} + h * eps_i`` with ``eps_i ~ N(0, I)`` and ancestors ``A_i``
+    state tensors are flattened per particle and concatenated into :math:`x_j` (length ``D``); the
+    weighted particles define the mixture :math:`m(x) = \sum_j w_j \mathcal N(x; x_j, \operatorname{diag}(h^2))`. The new
+    particles are :math:`\tilde x_i = x_{A_i} + h \odot \epsilon_i` with :math:`\epsilon_i \sim \mathcal N(0, I)` and ancestors :math:`A_i`
     drawn from the weights by ``scheme``, all of it detached (no pathwise gradient), and the new
     log-weights are
 
-        ``log m(x~_i) - stop_grad(log m(x~_i)) - log N``:
+        :math:`\log m(\tilde x_i) - \operatorname{stop\_grad}(\log m(\tilde x_i)) - \log N`:
 
-    exactly ``-log N`` in value, while in autograd they carry the gradient of the mixture density
+    exactly :math:`-\log N` in value, while in autograd they carry the gradient of the mixture density
     at the drawn points with respect to the old log-weights, the old particles and ``h``.
 
     **What is unbiased.** Every new particle has marginal (averaged over ``i``, for systematic
-    ancestors) law ``m``, so ``sum_i exp(lw~_i) f(x~_i)`` is an unbiased estimate of ``E_m[f]``, and
-    its autograd gradient, ``(1/N) sum_i f(x~_i) d log m(x~_i)``, is an unbiased estimate of
-    ``d E_m[f] / d theta`` (the score identity ``E_m[f d log m] = d E_m[f]``; the paper's
+    ancestors) law ``m``, so :math:`\sum_i \exp(\widetilde{lw}_i) f(\tilde x_i)` is an unbiased estimate of :math:`\mathbb E_m[f]`, and
+    its autograd gradient, :math:`(1/N) \sum_i f(\tilde x_i) \, d \log m(\tilde x_i)`, is an unbiased estimate of
+    :math:`d \mathbb E_m[f] / d\theta` (the score identity :math:`\mathbb E_m[f \, d \log m] = d \mathbb E_m[f]`; the paper's
     importance-weighted sample gradient). What is *not* unbiased: ``m`` is not the weighted
-    particle measure but that measure convolved with the kernel. Each resampling adds ``h^2``
+    particle measure but that measure convolved with the kernel. Each resampling adds :math:`h^2`
     to the covariance of the particle cloud, so inside :class:`~pyro_smc.infer.smc.SMC` this is
     a regularised particle filter: its filtering means, covariances and ``log_evidence`` target
-    a slightly different (jittered) model, with a bias that vanishes as ``h -> 0``; but the
-    gradient's standard deviation grows like ``1/h`` (the score of the kernel with respect to a
-    particle is ``eps / h``). The forward pass is a valid particle filter only for that jittered
+    a slightly different (jittered) model, with a bias that vanishes as :math:`h \to 0`; but the
+    gradient's standard deviation grows like :math:`1/h` (the score of the kernel with respect to a
+    particle is :math:`\epsilon / h`). The forward pass is a valid particle filter only for that jittered
     model: for a linear-Gaussian model resampled at every step, the one with transition
-    covariance ``Q + A diag(h^2) A^T``.
+    covariance :math:`Q + A \operatorname{diag}(h^2) A^\top`.
 
     **Non-floating state** (integer or bool tensors, e.g. a regime label) is copied from the
-    ancestor: its kernel is a point mass. The mixture density at ``x~_i`` then only sums over
+    ancestor: its kernel is a point mass. The mixture density at :math:`\tilde x_i` then only sums over
     the particles whose labels equal the new particle's (every such key), as the density of the
     joint mixture requires. With no floating-point state at all the new log-weights still carry
     the gradient of the mass of the drawn labels.
 
-    **Cost.** ``O(N^2 D)`` time and ``O(N^2)`` memory per filter and call (every pair of new and
+    **Cost.** :math:`O(N^2 D)` time and :math:`O(N^2)` memory per filter and call (every pair of new and
     old particles), vectorised over the leading (filter) dimensions. See
     ``docs/math/smc.md#kernel-mixture-resampling``.
 
@@ -72,24 +74,26 @@ class KernelResampler(Resampler):
             ``> 0`` (the same in every coordinate); a positive tensor of shape ``()`` or ``(D,)``
             (per coordinate of the concatenated state), which may require grad (e.g. an
             ``nn.Parameter``, then checked at every call); or ``"silverman"``: per coordinate
-            ``h_k = sigma_k (4 / ((D + 2) n_eff))^(1/(D + 4))`` with ``sigma_k`` the weighted
-            standard deviation and ``n_eff = 1 / sum_j w_j^2``, differentiated with the rest (a
-            coordinate in which every particle of positive weight agrees gets ``h_k = 0``: it is
+            :math:`h_k = \sigma_k (4 / ((D + 2) n_{\mathrm{eff}}))^{1/(D + 4)}` with :math:`\sigma_k` the weighted
+            standard deviation and :math:`n_{\mathrm{eff}} = 1 / \sum_j w_j^2`, differentiated with the rest (a
+            coordinate in which every particle of positive weight agrees gets :math:`h_k = 0`: it is
             copied, a point mass). Default ``"silverman"``.
         scheme: how the ancestors are drawn, ``"systematic"`` (default: the lowest-variance
             unbiased scheme, so the new cloud covers the mixture components in proportion to
             their weights; the particles are then not independent, but each sum over them is
-            still unbiased for ``m``) or ``"multinomial"`` (``x~_i`` i.i.d. from ``m``).
+            still unbiased for ``m``) or ``"multinomial"`` (:math:`\tilde x_i` i.i.d. from ``m``).
 
     Example:
         >>> import torch
         >>> from pyro_smc.resamplers import KernelResampler
         >>> x = torch.randn(4, 100, 2, requires_grad=True)            # 4 filters, 100 particles
         >>> log_w = torch.randn(4, 100).log_softmax(-1)
-        >>> new, new_log_w = KernelResampler(bandwidth=0.1)({"x": x, "k": torch.zeros(4, 100).long()}, log_w)
+        >>> new, new_log_w = KernelResampler(bandwidth=0.1)(
+        ...     {"x": x, "k": torch.zeros(4, 100).long()}, log_w
+        ... )
         >>> new["x"].shape, new["x"].requires_grad, bool((new_log_w == -math.log(100)).all())
         (torch.Size([4, 100, 2]), False, True)
-        >>> torch.autograd.grad(new_log_w.sum(), x)[0].abs().sum() > 0     # the mixture's gradient
+        >>> torch.autograd.grad(new_log_w.sum(), x)[0].abs().sum() > 0  # the mixture's gradient
         tensor(True)
 
     Reference:

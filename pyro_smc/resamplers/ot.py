@@ -5,8 +5,14 @@ See ``docs/math/smc.md#optimal-transport-resampling`` and ``docs/math/smc.md#gra
 Example:
     >>> import torch
     >>> from pyro_smc.resamplers import OTResampler
-    >>> out = OTResampler(epsilon=0.5).resample({"x": torch.randn(4, 100, 2)}, torch.randn(4, 100).log_softmax(-1))
-    >>> out.diagnostics.converged.shape, out.diagnostics.num_iterations.dtype, out.ancestors is None
+    >>> out = OTResampler(epsilon=0.5).resample(
+    ...     {"x": torch.randn(4, 100, 2)}, torch.randn(4, 100).log_softmax(-1)
+    ... )
+    >>> (
+    ...     out.diagnostics.converged.shape,
+    ...     out.diagnostics.num_iterations.dtype,
+    ...     out.ancestors is None,
+    ... )
     (torch.Size([4]), torch.int64, True)
 """
 
@@ -26,27 +32,27 @@ __all__ = ["OTResampler"]
 
 
 class OTResampler(Resampler):
-    """Differentiable ensemble transform by entropy-regularised optimal transport.
+    r"""Differentiable ensemble transform by entropy-regularised optimal transport.
 
     All floating-point state tensors are flattened per particle and concatenated into one point
     cloud, transported jointly with the scale normalisation of Corenflos et al. (2021) by the
-    barycentric map ``x~_i = sum_j P_ij x_j / sum_j P_ij`` of the entropic plan ``P``, and
+    barycentric map :math:`\tilde x_i = \sum_j P_{ij} x_j / \sum_j P_{ij}` of the entropic plan ``P``, and
     split back (differentiably). Weighted means are preserved (up to the plan's marginal
     error); the output is equally weighted.
 
     Integer (and other non-floating) state tensors, e.g. a discrete regime label, cannot be
-    averaged. Each new particle ``i`` instead draws one ancestor ``A_i ~ Categorical(N P_i.)``
+    averaged. Each new particle ``i`` instead draws one ancestor :math:`A_i \sim \operatorname{Categorical}(N P_{i\cdot})`
     from its row of the (detached) plan, independently across particles, and every
     non-floating tensor takes its value from that ancestor, so labels of one particle stay
-    consistent with each other. The rows of ``P`` sum to ``1/N`` and its columns to the
-    weights, so ``P(A_i = j)`` averaged over ``i`` is ``w_j``: the weighted distribution of
+    consistent with each other. The rows of ``P`` sum to :math:`1/N` and its columns to the
+    weights, so :math:`\Pr(A_i = j)` averaged over ``i`` is :math:`w_j`: the weighted distribution of
     the labels is kept in expectation (up to the marginal error, below ``threshold``). The
-    draws are independent, so the variance of a label count is ``sum_i p_i (1 - p_i)`` with
-    ``p_i = N sum_{j: z_j = 1} P_ij`` the row's share of the label: at most that of
+    draws are independent, so the variance of a label count is :math:`\sum_i p_i (1 - p_i)` with
+    :math:`p_i = N \sum_{j : z_j = 1} P_{ij}` the row's share of the label: at most that of
     multinomial resampling (Jensen), less where the plan is sharp, but typically more than
     systematic resampling's. Particles of zero weight are never drawn. This part is random
-    and not differentiable, and a new particle pairs ``x~_i`` with the label of one of the
-    particles averaged into it, not of a particle at ``x~_i``. :class:`~pyro_smc.SMC` passes a
+    and not differentiable, and a new particle pairs :math:`\tilde x_i` with the label of one of the
+    particles averaged into it, not of a particle at :math:`\tilde x_i`. :class:`~pyro_smc.SMC` passes a
     float-coded label (the value of a site with discrete support, such as ``dist.Bernoulli``'s
     0./1.) as an integer tensor, so it is never averaged either. A state with no floating tensor
     has nothing to transport: the plan of zero cost is the independent coupling, and the call is
@@ -100,7 +106,9 @@ class OTResampler(Resampler):
         >>> out = OTResampler(epsilon=0.5).resample({"x": x}, log_w)
         >>> torch.allclose(out.log_weights, torch.full((100,), -torch.log(torch.tensor(100.0))))
         True
-        >>> torch.allclose(out.particles["x"].mean(0), (log_w.exp()[:, None] * x).sum(0), atol=1e-2)
+        >>> torch.allclose(
+        ...     out.particles["x"].mean(0), (log_w.exp()[:, None] * x).sum(0), atol=1e-2
+        ... )
         True
         >>> bool(out.diagnostics.converged)
         True

@@ -5,7 +5,9 @@ See ``docs/math/smc.md#soft-resampling``.
 Example:
     >>> import torch
     >>> from pyro_smc.resamplers import SoftResampler
-    >>> SoftResampler(alpha=1.0).resample({"x": torch.zeros(3)}, torch.zeros(3).log_softmax(-1)).ancestors.shape
+    >>> SoftResampler(alpha=1.0).resample(
+    ...     {"x": torch.zeros(3)}, torch.zeros(3).log_softmax(-1)
+    ... ).ancestors.shape
     torch.Size([3])
 """
 
@@ -29,10 +31,10 @@ def _check_unit_interval(name: str, value: float) -> float:
 
 
 class SoftResampler(Resampler):
-    """Soft resampling (Karkus et al., 2018).
+    r"""Soft resampling (Karkus et al., 2018).
 
-    Ancestors are drawn from ``alpha * w + (1 - alpha) / N``; the new weights
-    ``w_A / (alpha w_A + (1 - alpha) / N)``, renormalised, keep a gradient with respect to the old
+    Ancestors are drawn from :math:`\alpha w + (1 - \alpha) / N`; the new weights
+    :math:`w_A / (\alpha w_A + (1 - \alpha) / N)`, renormalised, keep a gradient with respect to the old
     ones (pathwise estimator). ``alpha = 1`` is multinomial resampling. :meth:`resample` returns
     the ancestors, as the index resamplers do.
 
@@ -55,7 +57,7 @@ class SoftResampler(Resampler):
         >>> new, new_log_w = SoftResampler(alpha=0.5)({"x": x}, log_w)
         >>> new["x"].shape, new_log_w.shape
         (torch.Size([1000, 2]), torch.Size([1000]))
-        >>> mean = (log_w.exp()[:, None] * x).sum(0)                            # weighted mean kept
+        >>> mean = (log_w.exp()[:, None] * x).sum(0)  # weighted mean kept
         >>> torch.allclose((new_log_w.exp()[:, None] * new["x"]).sum(0), mean, atol=0.1)
         True
         >>> new_log_w.requires_grad                          # the weights keep a gradient
@@ -68,7 +70,7 @@ class SoftResampler(Resampler):
         self.alpha = _check_unit_interval("alpha", alpha)
 
     def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
-        """Draws ancestors from the mixture ``alpha w + (1 - alpha) / N`` and corrects the weights (see :meth:`Resampler.resample`)."""
+        r"""Draws ancestors from the mixture :math:`\alpha w + (1 - \alpha) / N` and corrects the weights (see :meth:`Resampler.resample`)."""
         check_particles(particles, log_weights)
         n = log_weights.shape[-1]
         # alpha = 1 (plain multinomial) leaves no uniform part: its log-weight is -inf, not an error.

@@ -6,13 +6,13 @@ A drop-in replacement for Pyro's ``AutoNormal``. Like it, the guide works on eve
 kernel ``(out, in, k, k)``, read as the ``(out, in k k)`` matrix; a positive matrix). Each matrix
 site gets
 
-* ``kind="diag"``: ``U = M + A E B^T`` with diagonal ``A`` (n) and ``B`` (p), ``E`` standard normal;
+* ``kind="diag"``: :math:`U = M + A E B^\top` with diagonal ``A`` (n) and ``B`` (p), ``E`` standard normal;
 * ``kind="linear"``: the same with lower-triangular ``A``, ``B``: a matrix normal,
-  ``Cov(vec U) = B B^T kron A A^T``;
-* ``kind="nonlinear"``: ``U = M + A G(E) B^T``, where ``G`` applies an invertible flow to every
+  :math:`\operatorname{Cov}(\operatorname{vec} U) = B B^\top \otimes A A^\top`;
+* ``kind="nonlinear"``: :math:`U = M + A \, G(E) \, B^\top`, where ``G`` applies an invertible flow to every
   column and then to every row of ``E`` (:mod:`pyro_smc.guides.kronecker.transforms`);
 
-at ``np + n(n+1)/2 + p(p+1)/2`` parameters (plus the flows') instead of the ``O(n^2 p^2)`` of a
+at :math:`np + n(n+1)/2 + p(p+1)/2` parameters (plus the flows') instead of the :math:`O(n^2 p^2)` of a
 full Gaussian. Each kind is a strategy object of :mod:`pyro_smc.guides.kronecker.kinds`, which
 ``kind=`` also accepts. Every other site (scalars, vectors, simplex, ``LKJCholesky``, whose unconstrained
 value is a vector) gets ``AutoNormal``'s diagonal normal. A model without matrix sites therefore
@@ -24,7 +24,7 @@ and ``B`` (one flow network per site is shared by the elements). As in ``AutoNor
 parameters of a site inside a subsampled plate have the plate's full size, and each call uses the
 rows of its minibatch.
 
-A triangular factor is stored as ``L = D (I + N)``: the logs of the diagonal ``D`` and the strictly
+A triangular factor is stored as :math:`L = D (I + N)`: the logs of the diagonal ``D`` and the strictly
 lower ``N`` relative to its row's scale, so that Adam's roughly ``lr``-sized steps change
 correlations by a fraction instead of swamping a diagonal that has shrunk during training. The
 ``"diag"`` and ``"linear"`` posteriors are :class:`pyro_smc.distributions.MatrixNormal` s, so
@@ -279,7 +279,7 @@ class AutoKroneckerFlow(AutoGuide):
     def median(self, *args, **kwargs) -> dict[str, Tensor]:
         """Posterior medians of every site, full size (not subsampled), detached copies.
 
-        For ``"nonlinear"`` matrix sites: the image of the noise median ``E = 0``.
+        For ``"nonlinear"`` matrix sites: the image of the noise median :math:`E = 0`.
         """
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
@@ -291,14 +291,14 @@ class AutoKroneckerFlow(AutoGuide):
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, Tensor]:
-        """Marginal quantiles of every site, ``(len(quantiles), *site_shape)``.
+        r"""Marginal quantiles of every site, ``(len(quantiles), *site_shape)``.
 
         Exact for diagonal-normal sites and for ``"diag"``/``"linear"`` matrix sites (each entry of
-        a matrix normal is normal with variance ``(A A^T)_ii (B B^T)_jj``, and the support
+        a matrix normal is normal with variance :math:`(A A^\top)_{ii} (B B^\top)_{jj}`, and the support
         transform is monotone). For ``"nonlinear"`` matrix sites the flow's marginals have no
         closed form: they are the sample quantiles of ``quantile_samples`` draws from a fixed seed
-        (so repeated calls agree; standard error ``sqrt(q (1 - q) / S) / density``, and memory
-        ``S n p``), which leaves the global random state untouched. ``q = 0`` and ``q = 1`` are the
+        (so repeated calls agree; standard error :math:`\sqrt{q (1 - q) / S} / \mathrm{density}`, and memory
+        :math:`S n p`), which leaves the global random state untouched. :math:`q = 0` and :math:`q = 1` are the
         ends of the support for every kind (``-inf`` and ``inf`` before the support transform: the
         flow is a bijection of the whole space), as in ``AutoNormal``.
 

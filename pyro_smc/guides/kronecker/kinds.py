@@ -3,11 +3,11 @@ r"""The posterior families of :class:`~pyro_smc.guides.AutoKroneckerFlow`, one s
 A kind says how the factors of one ``(n, p)`` matrix site are stored and how standard-normal noise
 ``E`` becomes the site's unconstrained value ``U``:
 
-* :class:`DiagKind` (``"diag"``): ``U = M + A E B^T`` with diagonal ``A`` (n), ``B`` (p);
+* :class:`DiagKind` (``"diag"``): :math:`U = M + A E B^\top` with diagonal ``A`` (n), ``B`` (p);
 * :class:`LinearKind` (``"linear"``): the same with lower-triangular ``A`` and ``B``, stored as
-  ``L = D (I + N)`` (:func:`factor_from_params`): a matrix normal,
-  ``Cov(vec U) = B B^T kron A A^T``;
-* :class:`NonlinearKind` (``"nonlinear"``): ``U = M + A G(E) B^T``, with ``G`` an invertible flow
+  :math:`L = D (I + N)` (:func:`factor_from_params`): a matrix normal,
+  :math:`\operatorname{Cov}(\operatorname{vec} U) = B B^\top \otimes A A^\top`;
+* :class:`NonlinearKind` (``"nonlinear"``): :math:`U = M + A \, G(E) \, B^\top`, with ``G`` an invertible flow
   applied to every column and every row of ``E`` (:mod:`pyro_smc.guides.kronecker.transforms`).
 
 The guide holds one kind and never branches on its name; a new family is a new subclass.
@@ -46,7 +46,7 @@ KINDS = ("diag", "linear", "nonlinear")
 
 
 def factor_from_params(params: Tensor, size: int) -> Tensor:
-    """The triangular factor ``L = D (I + N)`` of a ``"linear"``/``"nonlinear"`` guide.
+    """The triangular factor :math:`L = D (I + N)` of a ``"linear"``/``"nonlinear"`` guide.
 
     See ``docs/math/kronecker.md#factor-parametrisation``.
 
@@ -72,7 +72,7 @@ def params_from_factor(factor: Tensor) -> Tensor:
 
 
 class KroneckerAffine(Transform):
-    """``X -> M + A X B`` on ``(..., n, p)`` matrices; ``log|det| = p log|det A| + n log|det B|``.
+    r""":math:`X \mapsto M + A X B` on ``(..., n, p)`` matrices; :math:`\log|\det| = p \log|\det A| + n \log|\det B|`.
 
     ``A`` lower and ``B`` upper triangular with positive diagonals.
     See ``docs/math/kronecker.md#matrix-flows-and-their-log-determinants``.
@@ -124,16 +124,16 @@ class KroneckerKind:
         raise NotImplementedError
 
     def noise_map(self, n: int, p: int, like: Tensor) -> Transform | None:
-        """A learnable map ``G`` of the ``(n, p)`` noise (a module), or ``None`` for ``G = id``."""
+        r"""A learnable map ``G`` of the ``(n, p)`` noise (a module), or ``None`` for :math:`G = \mathrm{id}`."""
         return None
 
     def transform(self, loc: Tensor, a: Tensor, b: Tensor, noise_map: Transform | None) -> Transform:
-        """The map ``E -> U`` from standard-normal noise to the site's unconstrained matrix."""
+        r"""The map :math:`E \mapsto U` from standard-normal noise to the site's unconstrained matrix."""
         affine = KroneckerAffine(loc, a, b.transpose(-1, -2))
         return affine if noise_map is None else ComposeTransform([noise_map, affine])
 
     def posterior(self, loc: Tensor, a: Tensor, b: Tensor, noise_map: Transform | None) -> dist.TorchDistribution:
-        """The distribution of ``U`` (event shape ``(n, p)``): a ``MatrixNormal`` when ``G = id``,
+        r"""The distribution of ``U`` (event shape ``(n, p)``): a ``MatrixNormal`` when :math:`G = \mathrm{id}`,
         so that ``TraceMeanField_ELBO`` finds its closed-form KL."""
         if noise_map is None:
             return MatrixNormal(loc, a, b)  # U = M + A E B^T
@@ -142,12 +142,12 @@ class KroneckerKind:
 
     @staticmethod
     def entry_scale(a: Tensor, b: Tensor) -> Tensor:
-        """``sd(U_ij) = sqrt((A A^T)_ii (B B^T)_jj)`` when ``G = id``, shape ``(..., n, p)``."""
+        r""":math:`\operatorname{sd}(U_{ij}) = \sqrt{(A A^\top)_{ii} (B B^\top)_{jj}}` when :math:`G = \mathrm{id}`, shape ``(..., n, p)``."""
         return (a.square().sum(-1).unsqueeze(-1) * b.square().sum(-1).unsqueeze(-2)).sqrt()
 
 
 class DiagKind(KroneckerKind):
-    """K-Diag: positive diagonal ``A`` and ``B``, ``n + p`` scale parameters per matrix.
+    """K-Diag: positive diagonal ``A`` and ``B``, :math:`n + p` scale parameters per matrix.
 
     See ``docs/math/kronecker.md#k-diag``.
     """
@@ -162,7 +162,7 @@ class DiagKind(KroneckerKind):
 
 
 class LinearKind(KroneckerKind):
-    """K-Linear: lower-triangular ``A``, ``B`` stored as ``L = D (I + N)`` (:func:`factor_from_params`).
+    """K-Linear: lower-triangular ``A``, ``B`` stored as :math:`L = D (I + N)` (:func:`factor_from_params`).
 
     See ``docs/math/kronecker.md#k-linear``.
     """

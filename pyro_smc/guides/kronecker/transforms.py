@@ -1,11 +1,11 @@
 r"""Invertible maps of matrices applied column by column and row by row (K-Nonlinear flows).
 
-The K-Nonlinear posterior of a weight matrix pushes an ``n x p`` noise
-matrix ``E`` through an invertible ``g_A: R^n -> R^n`` applied to every column and an invertible
-``g_B: R^p -> R^p`` applied to every row, ``G(E) = G_B(G_A(E^T)^T)``, before a K-Linear or K-Diag
-layer. After a permutation the Jacobian of ``vec G_A`` is block diagonal with one block per
-column, so ``log|det J| = sum_columns log|det J_{g_A}| + sum_rows log|det J_{g_B}|``: ``n + p``
-small determinants instead of one ``np x np`` one, and ``O(n^2 + p^2)`` flow parameters.
+The K-Nonlinear posterior of a weight matrix pushes an :math:`n \times p` noise
+matrix ``E`` through an invertible :math:`g_A : \mathbb R^n \to \mathbb R^n` applied to every column and an invertible
+:math:`g_B : \mathbb R^p \to \mathbb R^p` applied to every row, :math:`G(E) = G_B(G_A(E^\top)^\top)`, before a K-Linear or K-Diag
+layer. After a permutation the Jacobian of :math:`\operatorname{vec} G_A` is block diagonal with one block per
+column, so :math:`\log|\det J| = \sum_{\text{columns}} \log|\det J_{g_A}| + \sum_{\text{rows}} \log|\det J_{g_B}|`: :math:`n + p`
+small determinants instead of one :math:`np \times np` one, and :math:`O(n^2 + p^2)` flow parameters.
 See ``docs/math/kronecker.md#k-nonlinear`` and ``docs/math/kronecker.md#matrix-flows-and-their-log-determinants``.
 
 :class:`ColumnwiseTransform` and :class:`RowwiseTransform` lift any vector transform of Pyro
@@ -50,7 +50,7 @@ FLOWS = ("additive_coupling", "affine_coupling", "iaf")
 
 
 class AdditiveCoupling(TransformModule):
-    """Volume-preserving coupling ``y_{1:k} = x_{1:k}``, ``y_{k:} = x_{k:} + m(x_{1:k})`` (NICE).
+    """Volume-preserving coupling :math:`y_{1:k} = x_{1:k}`, :math:`y_{k:} = x_{k:} + m(x_{1:k})` (NICE).
 
     Args:
         input_dim: vector length ``d >= 2``.
@@ -118,13 +118,13 @@ class _MatrixLift(TransformModule):
 
 
 class RowwiseTransform(_MatrixLift):
-    """Applies a transform of ``R^p`` to every row of ``(..., n, p)`` matrices (``g_B``)."""
+    r"""Applies a transform of :math:`\mathbb R^p` to every row of ``(..., n, p)`` matrices (:math:`g_B`)."""
 
     columns = False
 
 
 class ColumnwiseTransform(_MatrixLift):
-    """Applies a transform of ``R^n`` to every column of ``(..., n, p)`` matrices (``g_A``)."""
+    r"""Applies a transform of :math:`\mathbb R^n` to every column of ``(..., n, p)`` matrices (:math:`g_A`)."""
 
     columns = True
 
@@ -186,7 +186,7 @@ def _vector_flow(dim: int, flow: str, hidden_dims: tuple[int, ...]) -> T.Transfo
 
 
 def kronecker_nonlinear(n: int, p: int, flow: str = "additive_coupling", hidden_dims: tuple[int, ...] = (32,)) -> T.ComposeTransformModule:
-    """``G(E) = G_B(G_A(E^T)^T)`` for ``(..., n, p)`` noise matrices.
+    r""":math:`G(E) = G_B(G_A(E^\top)^\top)` for ``(..., n, p)`` noise matrices.
 
     See ``docs/math/kronecker.md#matrix-flows-and-their-log-determinants``.
 

@@ -18,7 +18,7 @@ behaviour on top of this class.
 Example:
     >>> import torch
     >>> from pyro_smc.guides.streaming.family import StreamingFamily
-    >>> q = StreamingFamily(2, covariance="full")                    # one marginal, one kernel
+    >>> q = StreamingFamily(2, covariance="full")  # one marginal, one kernel
     >>> q.set_marginal(torch.ones(2), 2 * torch.eye(2))
     >>> marginal, kernel = q.freeze()                                # detached copies
     >>> marginal.mean, kernel.distribution(torch.zeros(5, 2)).batch_shape
@@ -129,7 +129,7 @@ class StreamingFamily(pyro.nn.PyroModule):
         >>> q = StreamingFamily(1, num_kernels=1, covariance="full")
         >>> q.set_marginal(torch.ones(1), 2 * torch.eye(1))
         >>> q.set_kernel(0.5 * torch.eye(1), torch.zeros(1), torch.eye(1))
-        >>> means, covs = q.marginals()                                # (K + 1, d), (K + 1, d, d)
+        >>> means, covs = q.marginals()  # (K + 1, d), (K + 1, d, d)
         >>> torch.allclose(means.flatten(), torch.tensor([0.5, 1.0]))
         True
         >>> torch.allclose(covs.flatten(), torch.tensor([1.5, 2.0]))

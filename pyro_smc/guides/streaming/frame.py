@@ -12,7 +12,7 @@ Example:
     >>> from pyro_smc.guides.streaming.frame import StepFrame
     >>> q = StreamingFamily(2)
     >>> frame = StepFrame(q)
-    >>> params = frame.parameters(frame.variables())                 # all zero: the start itself
+    >>> params = frame.parameters(frame.variables())  # all zero: the start itself
     >>> all(torch.allclose(params[name], p) for name, p in q.named_parameters())
     True
 """
@@ -59,7 +59,7 @@ class StepFrame:
         >>> q.set_marginal(torch.tensor([1.0, 2.0]), torch.tensor([[1e-4, 0.0], [0.0, 4.0]]))
         >>> frame = StepFrame(q)
         >>> w = frame.variables()
-        >>> w["loc"] = torch.tensor([1.0, 1.0])                         # one sd in each direction
+        >>> w["loc"] = torch.tensor([1.0, 1.0])  # one sd in each direction
         >>> frame.parameters(w)["loc"]
         tensor([1.0100, 4.0000])
     """

@@ -24,20 +24,27 @@ Example:
     >>> from pyro.infer import SVI, Trace_ELBO
     >>> from pyro_smc.guides import StreamingFilterGuide
     >>> from pyro_smc.models import LinearGaussianSSM
-    >>> ssm = LinearGaussianSSM(0.9 * torch.eye(2), 0.1 * torch.eye(2), torch.eye(2), 0.1 * torch.eye(2),
-    ...                         torch.zeros(2), torch.eye(2))
+    >>> ssm = LinearGaussianSSM(
+    ...     0.9 * torch.eye(2),
+    ...     0.1 * torch.eye(2),
+    ...     torch.eye(2),
+    ...     0.1 * torch.eye(2),
+    ...     torch.zeros(2),
+    ...     torch.eye(2),
+    ... )
     >>> def model(ys):
     ...     state = {}
     ...     ssm.init(state)
     ...     for y in ys:
     ...         ssm.step(state, y)
     >>> ys = torch.randn(5, 2)
-    >>> guide = StreamingFilterGuide(2, model, num_steps=5, covariance="full")   # offline role
+    >>> # offline role
+    >>> guide = StreamingFilterGuide(2, model, num_steps=5, covariance="full")
     >>> svi = SVI(model, guide, pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
     >>> loss = svi.step(ys)
     >>> guide.marginals()[0].shape
     torch.Size([5, 2])
-    >>> StreamingFilterGuide(2).num_kernels                                       # online role
+    >>> StreamingFilterGuide(2).num_kernels  # online role
     1
 """
 

@@ -3,9 +3,9 @@ r"""Iterated expectation-propagation smoothing for nonlinear Gaussian state-spac
 See ``docs/math/ep.md#expectation-propagation`` and ``docs/math/ep.md#the-iteration``.
 
 The posterior marginal of each state is a product of three Gaussian messages,
-``q(x_t) = q_fwd(x_t) q_meas(x_t) q_bwd(x_t)``, stored in natural form ``(eta, Lambda)``
+:math:`q(x_t) = q_{\mathrm{fwd}}(x_t) \, q_{\mathrm{meas}}(x_t) \, q_{\mathrm{bwd}}(x_t)`, stored in natural form :math:`(\eta, \Lambda)`
 (Deisenroth and Mohamed, 2012). An EP update of message ``i`` removes it
-(the cavity ``q / q_i^alpha``), projects the cavity through the factor's nonlinearity with a
+(the cavity :math:`q / q_i^\alpha`), projects the cavity through the factor's nonlinearity with a
 :class:`~pyro_smc.infer.gaussian.projections.Projection` and puts back the message the projected
 factor implies (``pyro_smc.infer.gaussian.factors``). The order of the updates is a schedule:
 :class:`~pyro_smc.infer.gaussian.sequential.SequentialSchedule` (sweeps of single updates) or
@@ -15,20 +15,20 @@ factor implies (``pyro_smc.infer.gaussian.factors``). The order of the updates i
 gets the message of its observed entries.
 
 With the paper's consistent derivatives the projection is the implicit linear model
-``a = J x + c + eps``, ``J = C^T P^{-1}``, ``Cov[eps] = S_a - J P J^T`` fitted at the cavity, and
+:math:`a = J x + c + \epsilon`, :math:`J = C^\top P^{-1}`, :math:`\operatorname{Cov}[\epsilon] = S_a - J P J^\top` fitted at the cavity, and
 the tilted distribution is exactly Gaussian, so each new message has a closed form:
 
-* measurement ``y_t = J x_t + c + eps``: ``Lambda = J^T Cov[eps]^{-1} J``,
-  ``eta = J^T Cov[eps]^{-1} (y_t - c)``;
-* forward (prediction through the transition at ``t - 1``): ``N(M, S - (1 - alpha) J P J^T)``;
-* backward, given the data message ``(eta_m, Lambda_m)`` on ``x_{t+1}`` (everything at ``t + 1``
-  but ``q_fwd^alpha``): with ``E = Cov[eps] / alpha`` and ``H = (I + Lambda_m E)^{-1}``,
-  ``Lambda = J^T H Lambda_m J / alpha``, ``eta = J^T H (eta_m - Lambda_m c) / alpha``.
-  This form never inverts ``Lambda_m``, which is singular whenever ``y`` has fewer dimensions
+* measurement :math:`y_t = J x_t + c + \epsilon`: :math:`\Lambda = J^\top \operatorname{Cov}[\epsilon]^{-1} J`,
+  :math:`\eta = J^\top \operatorname{Cov}[\epsilon]^{-1} (y_t - c)`;
+* forward (prediction through the transition at :math:`t - 1`): :math:`\mathcal N(M, S - (1 - \alpha) J P J^\top)`;
+* backward, given the data message :math:`(\eta_m, \Lambda_m)` on :math:`x_{t+1}` (everything at :math:`t + 1`
+  but :math:`q_{\mathrm{fwd}}^\alpha`): with :math:`E = \operatorname{Cov}[\epsilon] / \alpha` and :math:`H = (I + \Lambda_m E)^{-1}`,
+  :math:`\Lambda = J^\top H \Lambda_m J / \alpha`, :math:`\eta = J^\top H (\eta_m - \Lambda_m c) / \alpha`.
+  This form never inverts :math:`\Lambda_m`, which is singular whenever ``y`` has fewer dimensions
   than ``x``.
 
 Every message is then positive semi-definite by construction, and a cavity is proper as long as
-``q_fwd`` is (it is a prediction). The first sweep runs with ``alpha = 1`` and no damping and
+:math:`q_{\mathrm{fwd}}` is (it is a prediction). The first sweep runs with :math:`\alpha = 1` and no damping and
 equals the matching Gaussian smoother (EKS, URTSS, GP-RTSS); later sweeps use ``power`` and
 ``damping`` and refine the linearisation points. With ``power=1`` a linear-Gaussian model
 converges in one sweep to the Kalman smoother (``power < 1`` keeps its means but not its
@@ -45,8 +45,14 @@ Example:
     >>> from pyro_smc.infer import Unscented
     >>> from pyro_smc.models import NonlinearGaussianSSM
     >>> one = torch.ones(1, 1, dtype=torch.float64)
-    >>> ssm = NonlinearGaussianSSM(lambda x: 0.5 * x + torch.sin(x), one, lambda x: x**2 / 20, one,
-    ...                            torch.zeros(1, dtype=torch.float64), one)
+    >>> ssm = NonlinearGaussianSSM(
+    ...     lambda x: 0.5 * x + torch.sin(x),
+    ...     one,
+    ...     lambda x: x**2 / 20,
+    ...     one,
+    ...     torch.zeros(1, dtype=torch.float64),
+    ...     one,
+    ... )
     >>> _, ys = ssm.simulate(30, generator=torch.Generator().manual_seed(0))
     >>> out = EPSmoother(ssm, projection=Unscented(), max_iter=20).smooth(ys)
     >>> out.means.shape, len(out.history) <= 20, out.first_sweep is not None
@@ -105,7 +111,7 @@ class EPConvergenceWarning(UserWarning):
 
 
 class EPSmoother:
-    """Iterated EP smoother (EP-EKS, EP-URTSS, EP-GPADS, ...).
+    r"""Iterated EP smoother (EP-EKS, EP-URTSS, EP-GPADS, ...).
 
     Args:
         ssm: a :class:`~pyro_smc.models.protocol.GaussianStateSpaceModel`.
@@ -114,9 +120,9 @@ class EPSmoother:
             name of a default one: ``"moment_matching"`` (exact for GP components, unscented
             otherwise), ``"linearization"`` or ``"unscented"``.
         max_iter: maximum number of forward-backward sweeps (the first is the plain smoother).
-        damping: ``gamma`` in ``(0, 1]``; messages move to ``(1 - gamma) old + gamma new`` in
+        damping: :math:`\gamma` in ``(0, 1]``; messages move to :math:`(1 - \gamma) \, \mathrm{old} + \gamma \, \mathrm{new}` in
             natural parameters from the second sweep on. 1 is no damping.
-        power: ``alpha`` in ``(0, 1]`` of power EP (cavities ``q / q_i^alpha``), from the second
+        power: :math:`\alpha` in ``(0, 1]`` of power EP (cavities :math:`q / q_i^\alpha`), from the second
             sweep on. 1 is plain EP.
         tol: stop when no marginal's mean or covariance entry changed by more than this.
         gradient: how the results are differentiated in the model's tensors (its parameters):
@@ -162,7 +168,8 @@ class EPSmoother:
         (torch.Size([5, 1]), torch.Size([5, 1, 1]))
         >>> out.converged, torch.allclose(out.means, ssm.rts_smoother(ys).means, atol=1e-5)
         (True, True)
-        >>> torch.allclose(out.log_evidence, ssm.log_evidence(ys), atol=1e-5)  # the Kalman evidence
+        >>> # the Kalman evidence
+        >>> torch.allclose(out.log_evidence, ssm.log_evidence(ys), atol=1e-5)
         True
 
         The evidence is differentiable in the model's tensors; here its gradient is the Kalman score:

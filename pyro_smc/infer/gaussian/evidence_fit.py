@@ -112,10 +112,21 @@ def fit_evidence(
         ...     def forward(self, x):
         ...         return 0.8 * x + self.b * torch.sin(x)
         >>> one = torch.eye(1)
-        >>> truth = NonlinearGaussianSSM(lambda x: 0.8 * x + torch.sin(x), 0.5 * one, lambda x: x, 0.3 * one, torch.zeros(1), one)
+        >>> truth = NonlinearGaussianSSM(
+        ...     lambda x: 0.8 * x + torch.sin(x),
+        ...     0.5 * one,
+        ...     lambda x: x,
+        ...     0.3 * one,
+        ...     torch.zeros(1),
+        ...     one,
+        ... )
         >>> _, ys = truth.simulate(30, generator=torch.Generator().manual_seed(0))
-        >>> ssm = NonlinearGaussianSSM(Drift(0.0), 0.5 * one, lambda x: x, 0.3 * one, torch.zeros(1), one)
-        >>> losses = fit_evidence(EPSmoother(ssm, projection="unscented", tol=1e-4), ys, num_steps=10, lr=0.1)
+        >>> ssm = NonlinearGaussianSSM(
+        ...     Drift(0.0), 0.5 * one, lambda x: x, 0.3 * one, torch.zeros(1), one
+        ... )
+        >>> losses = fit_evidence(
+        ...     EPSmoother(ssm, projection="unscented", tol=1e-4), ys, num_steps=10, lr=0.1
+        ... )
         >>> len(losses), losses[-1] < losses[0], 0.5 < ssm.transition.b.item() < 1.5
         (10, True, True)
     """

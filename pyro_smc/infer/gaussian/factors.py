@@ -15,9 +15,14 @@ Example:
     >>> from pyro_smc.infer.gaussian.projections import Unscented
     >>> from pyro_smc.models import LinearGaussianSSM
     >>> eye = torch.eye(1, dtype=torch.float64)
-    >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1, dtype=torch.float64), eye)
-    >>> fit = Factors(ssm, Unscented()).transition((torch.zeros(1, dtype=torch.float64), eye), 0)
-    >>> round(fit.jacobian.item(), 12), round(fit.noise.item(), 12)   # x' = 0.5 x + w, Var[w] = 1
+    >>> ssm = LinearGaussianSSM(
+    ...     0.5 * eye, eye, eye, eye, torch.zeros(1, dtype=torch.float64), eye
+    ... )
+    >>> fit = Factors(ssm, Unscented()).transition(
+    ...     (torch.zeros(1, dtype=torch.float64), eye), 0
+    ... )
+    >>> # x' = 0.5 x + w, Var[w] = 1
+    >>> round(fit.jacobian.item(), 12), round(fit.noise.item(), 12)
     (0.5, 1.0)
 """
 
@@ -56,7 +61,9 @@ class LinearFit(NamedTuple):
     Example:
         >>> import torch
         >>> one = torch.ones(1, 1)
-        >>> LinearFit(torch.zeros(1), 2 * one, torch.zeros(1), torch.zeros(1), 5 * one, one).jacobian.item()
+        >>> LinearFit(
+        ...     torch.zeros(1), 2 * one, torch.zeros(1), torch.zeros(1), 5 * one, one
+        ... ).jacobian.item()
         2.0
     """
 
@@ -83,7 +90,9 @@ class Factors:
         >>> from pyro_smc.infer.gaussian.projections import Linearization
         >>> from pyro_smc.models import LinearGaussianSSM
         >>> eye = torch.eye(1)
-        >>> factors = Factors(LinearGaussianSSM(eye, eye, 3 * eye, eye, torch.zeros(1), eye), Linearization())
+        >>> factors = Factors(
+        ...     LinearGaussianSSM(eye, eye, 3 * eye, eye, torch.zeros(1), eye), Linearization()
+        ... )
         >>> message, fit = factors.measurement((torch.zeros(1), eye), torch.ones(1), None, 0)
         >>> fit.jacobian.item(), message[1].item()                    # Lambda = J^T R^{-1} J
         (3.0, 9.0)

@@ -8,7 +8,12 @@ to the observed entries of a partly missing step (the exact Gaussian marginal of
 Example:
     >>> import math, torch
     >>> from pyro_smc.infer.gaussian.observed import observation_status
-    >>> [s.name for s in observation_status(torch.tensor([[1.0, 2.0], [math.nan, math.nan], [math.nan, 3.0]]))]
+    >>> [
+    ...     s.name
+    ...     for s in observation_status(
+    ...         torch.tensor([[1.0, 2.0], [math.nan, math.nan], [math.nan, 3.0]])
+    ...     )
+    ... ]
     ['OBSERVED', 'MISSING', 'PARTLY_OBSERVED']
 """
 
@@ -27,7 +32,10 @@ class ObservationStatus(enum.IntEnum):
     """How much of a step's observation there is (``pyro_smc.observations.row_status``).
 
     Example:
-        >>> ObservationStatus.PARTLY_OBSERVED < ObservationStatus.OBSERVED, bool(ObservationStatus.MISSING)
+        >>> (
+        ...     ObservationStatus.PARTLY_OBSERVED < ObservationStatus.OBSERVED,
+        ...     bool(ObservationStatus.MISSING),
+        ... )
         (True, False)
     """
 
@@ -76,7 +84,13 @@ def observed_moments(y: Tensor, observed: Tensor, mu: Tensor, S: Tensor, C: Tens
 
     Example:
         >>> import torch
-        >>> y, mu, S, C = observed_moments(torch.tensor([1.0, 2.0]), torch.tensor([False, True]), torch.zeros(2), torch.eye(2), torch.ones(3, 2))
+        >>> y, mu, S, C = observed_moments(
+        ...     torch.tensor([1.0, 2.0]),
+        ...     torch.tensor([False, True]),
+        ...     torch.zeros(2),
+        ...     torch.eye(2),
+        ...     torch.ones(3, 2),
+        ... )
         >>> y.tolist(), S.shape, C.shape
         ([2.0], torch.Size([1, 1]), torch.Size([3, 1]))
     """

@@ -58,7 +58,9 @@ class ParallelIteration(NamedTuple):
 
     Example:
         >>> import torch
-        >>> ParallelIteration(torch.zeros(3), torch.zeros(2, 1), torch.ones(2, 1, 1), torch.zeros(2), 0).skipped
+        >>> ParallelIteration(
+        ...     torch.zeros(3), torch.zeros(2, 1), torch.ones(2, 1, 1), torch.zeros(2), 0
+        ... ).skipped
         0
     """
 
@@ -82,7 +84,9 @@ class CavityLayout:
     Example:
         >>> import torch
         >>> layout = CavityLayout(3, 1, [0, 2])
-        >>> (eta_tr, _), (eta_ms, _) = layout.unpack(layout.pack(torch.arange(4.0).reshape(4, 1), torch.ones(4, 1, 1)))
+        >>> (eta_tr, _), (eta_ms, _) = layout.unpack(
+        ...     layout.pack(torch.arange(4.0).reshape(4, 1), torch.ones(4, 1, 1))
+        ... )
         >>> eta_tr.flatten().tolist(), eta_ms.flatten().tolist()
         ([0.0, 1.0], [2.0, 3.0])
     """
@@ -158,9 +162,13 @@ class ParallelSchedule:
         >>> from pyro_smc.infer.gaussian.projections import Unscented
         >>> from pyro_smc.models import LinearGaussianSSM
         >>> eye = torch.eye(1, dtype=torch.float64)
-        >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1, dtype=torch.float64), eye)
+        >>> ssm = LinearGaussianSSM(
+        ...     0.5 * eye, eye, eye, eye, torch.zeros(1, dtype=torch.float64), eye
+        ... )
         >>> _, ys = ssm.simulate(6, generator=torch.Generator().manual_seed(0))
-        >>> schedule = ParallelSchedule(Factors(ssm, Unscented()), EPSettings(5, 1.0, 1.0, 1e-8))
+        >>> schedule = ParallelSchedule(
+        ...     Factors(ssm, Unscented()), EPSettings(5, 1.0, 1.0, 1e-8)
+        ... )
         >>> run = schedule.iterate(EPProblem(ys, ~ys.isnan(), observation_status(ys)))
         >>> run.converged, torch.allclose(run.means, ssm.rts_smoother(ys).means)
         (True, True)

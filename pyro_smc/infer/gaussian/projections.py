@@ -66,7 +66,9 @@ class Projection:
         >>> class Doubling(Projection):
         ...     def map_moments(self, fn, mean, cov, t):
         ...         return 2 * mean, 4 * cov, 2 * cov          # mu (e,), S (e, e), C (d, e)
-        >>> mu, S, C = Doubling().moments(None, torch.zeros(1), torch.eye(1), 0, noise_cov=torch.eye(1))
+        >>> mu, S, C = Doubling().moments(
+        ...     None, torch.zeros(1), torch.eye(1), 0, noise_cov=torch.eye(1)
+        ... )
         >>> S                                                  # 4 P + noise
         tensor([[5.]])
     """
@@ -110,7 +112,10 @@ class Projection:
         Example:
             >>> import torch
             >>> from pyro_smc.infer import Unscented
-            >>> means, covs = torch.randn(4, 2, dtype=torch.float64), torch.eye(2, dtype=torch.float64).expand(4, 2, 2)
+            >>> means, covs = (
+            ...     torch.randn(4, 2, dtype=torch.float64),
+            ...     torch.eye(2, dtype=torch.float64).expand(4, 2, 2),
+            ... )
             >>> fn = lambda x, t: torch.sin(x) + t
             >>> batched = Unscented().moments_batch(fn, means, covs, range(4))
             >>> one = Unscented().moments(fn, means[3], covs[3], 3)
@@ -138,7 +143,9 @@ class Linearization(Projection):
 
         >>> import torch
         >>> from pyro_smc.infer import Linearization
-        >>> mu, S, C = Linearization().map_moments(lambda x, t: x**2, torch.ones(1), 0.5 * torch.eye(1), 0)
+        >>> mu, S, C = Linearization().map_moments(
+        ...     lambda x, t: x**2, torch.ones(1), 0.5 * torch.eye(1), 0
+        ... )
         >>> mu.item(), S.item(), C.item()
         (1.0, 2.0, 1.0)
     """
@@ -275,7 +282,10 @@ class MomentMatching(Projection):
         >>> mm = MomentMatching()
         >>> mm
         MomentMatching(fallback=Unscented())
-        >>> all(torch.equal(a, b) for a, b in zip(mm.map_moments(*args), Unscented().map_moments(*args)))
+        >>> all(
+        ...     torch.equal(a, b)
+        ...     for a, b in zip(mm.map_moments(*args), Unscented().map_moments(*args))
+        ... )
         True
     """
 

@@ -11,7 +11,9 @@ Every result is immutable.
 Example:
     >>> import torch
     >>> from pyro_smc.infer.gaussian.result import EPIteration, GaussianSmootherResult
-    >>> out = GaussianSmootherResult(torch.zeros(3, 1), torch.ones(3, 1, 1), history=(EPIteration(float("inf"), 0),))
+    >>> out = GaussianSmootherResult(
+    ...     torch.zeros(3, 1), torch.ones(3, 1, 1), history=(EPIteration(float("inf"), 0),)
+    ... )
     >>> out.history[0].change, out.converged
     (inf, True)
 """
@@ -59,7 +61,9 @@ class EPState(NamedTuple):
     Example:
         >>> import torch
         >>> from pyro_smc.infer.gaussian.observed import ObservationStatus as S
-        >>> EPState("parallel", torch.zeros(3), (S.OBSERVED, S.MISSING, S.OBSERVED)).steps[1].name
+        >>> EPState("parallel", torch.zeros(3), (S.OBSERVED, S.MISSING, S.OBSERVED)).steps[
+        ...     1
+        ... ].name
         'MISSING'
     """
 

@@ -118,7 +118,16 @@ class EPRun(NamedTuple):
 
     Example:
         >>> import torch
-        >>> run = EPRun(torch.zeros(1), torch.zeros(2, 1), torch.ones(2, 1, 1), torch.zeros(2), [], None, True, 1.0)
+        >>> run = EPRun(
+        ...     torch.zeros(1),
+        ...     torch.zeros(2, 1),
+        ...     torch.ones(2, 1, 1),
+        ...     torch.zeros(2),
+        ...     [],
+        ...     None,
+        ...     True,
+        ...     1.0,
+        ... )
         >>> run.converged, run.fits is None
         (True, True)
     """

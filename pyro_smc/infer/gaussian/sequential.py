@@ -13,9 +13,13 @@ Example:
     >>> from pyro_smc.infer.gaussian.schedule import EPProblem, EPSettings
     >>> from pyro_smc.models import LinearGaussianSSM
     >>> eye = torch.eye(1, dtype=torch.float64)
-    >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1, dtype=torch.float64), eye)
+    >>> ssm = LinearGaussianSSM(
+    ...     0.5 * eye, eye, eye, eye, torch.zeros(1, dtype=torch.float64), eye
+    ... )
     >>> _, ys = ssm.simulate(4, generator=torch.Generator().manual_seed(0))
-    >>> schedule = SequentialSchedule(Factors(ssm, Unscented()), EPSettings(5, 1.0, 1.0, 1e-8))
+    >>> schedule = SequentialSchedule(
+    ...     Factors(ssm, Unscented()), EPSettings(5, 1.0, 1.0, 1e-8)
+    ... )
     >>> run = schedule.iterate(EPProblem(ys, ~ys.isnan(), observation_status(ys)))
     >>> run.converged, torch.allclose(run.means, ssm.rts_smoother(ys).means)
     (True, True)

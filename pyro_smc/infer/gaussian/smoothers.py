@@ -34,7 +34,14 @@ Example:
     >>> from pyro_smc.models import NonlinearGaussianSSM
     >>> from pyro_smc.infer import unscented_rts_smoother
     >>> one = torch.ones(1, 1, dtype=torch.float64)
-    >>> ssm = NonlinearGaussianSSM(lambda x: 0.9 * x, one, lambda x: x, one, torch.zeros(1, dtype=torch.float64), one)
+    >>> ssm = NonlinearGaussianSSM(
+    ...     lambda x: 0.9 * x,
+    ...     one,
+    ...     lambda x: x,
+    ...     one,
+    ...     torch.zeros(1, dtype=torch.float64),
+    ...     one,
+    ... )
     >>> _, ys = ssm.simulate(10, generator=torch.Generator().manual_seed(0))
     >>> out = unscented_rts_smoother(ssm, ys)
     >>> out.means.shape, out.covariances.shape
@@ -296,7 +303,8 @@ def smoother_pass(ssm: GaussianStateSpaceModel, observations: Tensor, projection
         >>> eye = torch.eye(1)
         >>> ssm = LinearGaussianSSM(0.5 * eye, eye, eye, eye, torch.zeros(1), eye)
         >>> run = smoother_pass(ssm, torch.ones(4, 1))
-        >>> run.means.shape, run.filtered.means.shape, run.filtered.predictions[1].shape   # S: (T-1, d, d)
+        >>> # S: (T-1, d, d)
+        >>> run.means.shape, run.filtered.means.shape, run.filtered.predictions[1].shape
         (torch.Size([4, 1]), torch.Size([4, 1]), torch.Size([3, 1, 1]))
     """
     projection = as_projection(projection)

@@ -20,8 +20,11 @@ Example:
     >>> eye = torch.eye(2)
     >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2), eye)
     >>> _, ys = ssm.simulate(3)
-    >>> vf = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=2, num_regression_samples=64).run(ys)
-    >>> vf.last_increments.shape, bool(vf.log_evidence_standard_error > 0)    # step 2's N draws
+    >>> vf = OnlineVariationalFilter(
+    ...     ssm, StreamingFilterGuide(2), num_iterations=2, num_regression_samples=64
+    ... ).run(ys)
+    >>> # step 2's N draws
+    >>> vf.last_increments.shape, bool(vf.log_evidence_standard_error > 0)
     (torch.Size([64]), True)
 """
 

@@ -15,10 +15,10 @@ Example:
     >>> import torch
     >>> from pyro_smc.guides.streaming.family import gaussian
     >>> from pyro_smc.infer.online.checks import extrapolation
-    >>> previous = gaussian(torch.zeros(2), torch.ones(2))                    # q_{t-1} = N(0, I)
+    >>> previous = gaussian(torch.zeros(2), torch.ones(2))  # q_{t-1} = N(0, I)
     >>> extrapolation(previous, torch.randn(100, 2)) is None                  # inside
     True
-    >>> round(extrapolation(previous, torch.full((100, 2), 10.0)))           # 10 sds off in each
+    >>> round(extrapolation(previous, torch.full((100, 2), 10.0)))  # 10 sds off in each
     200
 """
 
@@ -80,7 +80,9 @@ class OnlineFilterWarning(UserWarning):
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("error", OnlineFilterWarning)
         ...     try:
-        ...         warnings.warn(OnlineFilterWarning("step 3: the optimisation of the step failed"))
+        ...         warnings.warn(
+        ...             OnlineFilterWarning("step 3: the optimisation of the step failed")
+        ...         )
         ...     except OnlineFilterWarning as failed:
         ...         print(failed)
         step 3: the optimisation of the step failed
@@ -151,7 +153,9 @@ def warn_if_few_regression_samples(regressor: Regressor, state_dim: int, num_sam
         >>> from pyro_smc.regression import QuadraticRegressor
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     warn_if_few_regression_samples(QuadraticRegressor(), state_dim=10, num_samples=64)
+        ...     warn_if_few_regression_samples(
+        ...         QuadraticRegressor(), state_dim=10, num_samples=64
+        ...     )
         >>> len(caught)
         1
     """
@@ -182,7 +186,7 @@ def check_marginal(guide: StreamingFamily, where: str) -> None:
     Example:
         >>> import torch
         >>> q = StreamingFamily(2)
-        >>> check_marginal(q, "step 0")                                   # finite: nothing happens
+        >>> check_marginal(q, "step 0")  # finite: nothing happens
         >>> _ = q.loc.detach().fill_(float("nan"))
         >>> try:
         ...     check_marginal(q, "step 0")
@@ -231,7 +235,8 @@ def standard_error(values: Tensor) -> Tensor:
         >>> import torch
         >>> float(standard_error(torch.tensor([1.0, 3.0])))                 # sd sqrt(2), N = 2
         1.0
-        >>> f"{float(standard_error(torch.tensor([0.0, 4e19], dtype=torch.float32))):.3g}"  # var 8e38: overflow
+        >>> # var 8e38: overflow
+        >>> f"{float(standard_error(torch.tensor([0.0, 4e19], dtype=torch.float32))):.3g}"
         '2e+19'
     """
     deviation = values - values.mean()
@@ -249,7 +254,9 @@ def mahalanobis_squared(marginal: dist.TorchDistribution, x: Tensor) -> Tensor:
     Example:
         >>> import torch
         >>> from pyro_smc.guides.streaming.family import gaussian
-        >>> mahalanobis_squared(gaussian(torch.zeros(2), 2 * torch.ones(2)), torch.tensor([[2.0, 4.0]]))
+        >>> mahalanobis_squared(
+        ...     gaussian(torch.zeros(2), 2 * torch.ones(2)), torch.tensor([[2.0, 4.0]])
+        ... )
         tensor([5.])
     """
     diff = x - marginal.mean

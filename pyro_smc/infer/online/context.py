@@ -24,11 +24,13 @@ Example:
     >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2), eye)
     >>> state = {}
     >>> ssm.init(state)
-    >>> ctx = StepContext(ssm, dict(vars(ssm)), state, previous=None, y=torch.zeros(2), missing=False, t=0)
+    >>> ctx = StepContext(
+    ...     ssm, dict(vars(ssm)), state, previous=None, y=torch.zeros(2), missing=False, t=0
+    ... )
     >>> ctx, prior = ctx.discover(num_samples=4, state_dim=2)
     >>> ctx.site, ctx.state_key, prior.x_prior.shape
     ('x_0', 'x', torch.Size([1, 2]))
-    >>> ctx.log_joint(None, torch.zeros(3, 2))[0].shape                 # log f + log g per sample
+    >>> ctx.log_joint(None, torch.zeros(3, 2))[0].shape  # log f + log g per sample
     torch.Size([3])
 """
 

@@ -50,7 +50,7 @@ Example:
     >>> vf = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=20)
     >>> for y in ys:
     ...     vf = vf.step(y)
-    >>> vf = vf.step(None)                                  # a missing observation: predict only
+    >>> vf = vf.step(None)  # a missing observation: predict only
     >>> vf.filtering_distribution().mean.shape, vf.t
     (torch.Size([2]), 6)
 """

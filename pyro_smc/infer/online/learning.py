@@ -19,7 +19,8 @@ Example:
     >>> learner = ParameterLearner(make_regressor("quadratic"), robbins_monro(0.1))
     >>> learner.track(["a"])
     >>> x = torch.randn(64, 1, dtype=torch.float64)
-    >>> delta = -(x - pyro.param("a").unconstrained()).square().sum(-1)   # per-sample, depends on a
+    >>> # per-sample, depends on a
+    >>> delta = -(x - pyro.param("a").unconstrained()).square().sum(-1)
     >>> learner.update(delta, x, None, t=0)
     >>> sorted(learner.parameters())
     ['a']
@@ -199,7 +200,9 @@ def model_parameter_names(model: Any) -> list[str]:
         >>> import pyro, torch
         >>> from pyro_smc.models import DiagonalLinearGaussianSSM
         >>> pyro.clear_param_store()
-        >>> model_parameter_names(DiagonalLinearGaussianSSM(torch.ones(2), torch.ones(2), 1.0, 1.0))
+        >>> model_parameter_names(
+        ...     DiagonalLinearGaussianSSM(torch.ones(2), torch.ones(2), 1.0, 1.0)
+        ... )
         ['transition_diag', 'emission_diag']
     """
     if not isinstance(model, PyroModule):

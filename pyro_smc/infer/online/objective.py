@@ -24,8 +24,12 @@ Example:
     >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2), eye)
     >>> state = {}
     >>> ssm.init(state)
-    >>> ctx, _ = StepContext(ssm, dict(vars(ssm)), state, None, torch.zeros(2), False, 0).discover(8, 2)
-    >>> delta, _ = increment(ctx, draw(StreamingFilterGuide(2), ctx, 16, reparameterise=True))
+    >>> ctx, _ = StepContext(
+    ...     ssm, dict(vars(ssm)), state, None, torch.zeros(2), False, 0
+    ... ).discover(8, 2)
+    >>> delta, _ = increment(
+    ...     ctx, draw(StreamingFilterGuide(2), ctx, 16, reparameterise=True)
+    ... )
     >>> delta.shape, delta.requires_grad
     (torch.Size([16]), True)
 """
@@ -57,7 +61,11 @@ def converged(values: list[float], tol: float, window: int = STOP_WINDOW) -> boo
     stops at the first window that does not improve by ``tol``.
 
     Example:
-        >>> converged([-10.0] * 4, 1e-3, window=2), converged([-20.0, -20.0, -10.0, -10.0], 1e-3, window=2), converged([-10.0] * 3, 1e-3, window=2)
+        >>> (
+        ...     converged([-10.0] * 4, 1e-3, window=2),
+        ...     converged([-20.0, -20.0, -10.0, -10.0], 1e-3, window=2),
+        ...     converged([-10.0] * 3, 1e-3, window=2),
+        ... )
         (True, False, False)
     """
     if len(values) < 2 * window:

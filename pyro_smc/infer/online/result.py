@@ -4,7 +4,13 @@ Example:
     >>> import torch
     >>> from pyro_smc.infer.online.result import OnlineFilterResult
     >>> inc = torch.tensor([-1.0, -2.0])
-    >>> out = OnlineFilterResult(inc.sum(), inc, torch.zeros(2, 3), torch.eye(3).expand(2, 3, 3), torch.tensor(0.1))
+    >>> out = OnlineFilterResult(
+    ...     inc.sum(),
+    ...     inc,
+    ...     torch.zeros(2, 3),
+    ...     torch.eye(3).expand(2, 3, 3),
+    ...     torch.tensor(0.1),
+    ... )
     >>> float(out.log_evidence), out.filtering_means.shape
     (-3.0, torch.Size([2, 3]))
 """
@@ -39,7 +45,11 @@ class OnlineFilterResult(NamedTuple):
         >>> eye = torch.eye(2)
         >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2), eye)
         >>> _, ys = ssm.simulate(3)
-        >>> out = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=5).run(ys).result
+        >>> out = (
+        ...     OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=5)
+        ...     .run(ys)
+        ...     .result
+        ... )
         >>> out.filtering_means.shape, out.filtering_covariances.shape
         (torch.Size([3, 2]), torch.Size([3, 2, 2]))
     """

@@ -22,14 +22,19 @@ Example:
     >>> from pyro_smc.infer.online.start import initialise
     >>> from pyro_smc.models import LinearGaussianSSM
     >>> eye = torch.eye(2, dtype=torch.float64)
-    >>> ssm = LinearGaussianSSM(0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2, dtype=torch.float64), eye)
+    >>> ssm = LinearGaussianSSM(
+    ...     0.9 * eye, 0.1 * eye, eye, 0.1 * eye, torch.zeros(2, dtype=torch.float64), eye
+    ... )
     >>> state = {}
     >>> ssm.init(state)
     >>> y = torch.ones(2, dtype=torch.float64)
-    >>> ctx, prior = StepContext(ssm, dict(vars(ssm)), state, None, y, False, 0).discover(8, 2)
+    >>> ctx, prior = StepContext(ssm, dict(vars(ssm)), state, None, y, False, 0).discover(
+    ...     8, 2
+    ... )
     >>> guide = StreamingFilterGuide(2, covariance="full").double()
     >>> initialise(guide, ctx, prior, laplace=True)
-    >>> [round(v, 4) for v in guide.loc.tolist()]   # the Kalman update: 1 / (1 + 0.1) = 0.909...
+    >>> # the Kalman update: 1 / (1 + 0.1) = 0.909...
+    >>> [round(v, 4) for v in guide.loc.tolist()]
     [0.9091, 0.9091]
 """
 

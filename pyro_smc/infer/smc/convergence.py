@@ -11,9 +11,15 @@ Outside ``run`` (``init``/``step`` by hand) every step's warning is shown.
 Example:
     >>> import warnings
     >>> report = ConvergenceReport()
-    >>> report.add("time step 0", "sinkhorn: 1 of 1 problems stopped ... error of up to 0.02 (threshold 0.001)")
+    >>> report.add(
+    ...     "time step 0",
+    ...     "sinkhorn: 1 of 1 problems stopped ... error of up to 0.02 (threshold 0.001)",
+    ... )
     True
-    >>> report.add("time step 4", "sinkhorn: 1 of 1 problems stopped ... error of up to 0.3 (threshold 0.001)")
+    >>> report.add(
+    ...     "time step 4",
+    ...     "sinkhorn: 1 of 1 problems stopped ... error of up to 0.3 (threshold 0.001)",
+    ... )
     False
     >>> print(report.summary(30))
     SMC.run: the Sinkhorn solve stopped above its threshold at 2 of 30 steps (time steps 0, 4; the first was reported as it happened), with a marginal error of up to 0.3 at time step 4: the transport and its gradient are inaccurate there; raise the resampler's max_iter or epsilon (OTResampler(epsilon=..., max_iter=...)), or anneal epsilon (scaling > 0; 0.75 is the default)

@@ -1,8 +1,8 @@
-"""``SMCELBO``: minus the particle filter's log-evidence estimate as a Pyro SVI loss.
+r"""``SMCELBO``: minus the particle filter's log-evidence estimate as a Pyro SVI loss.
 
 See ``docs/math/smc.md#training-objectives``.
 
-``log Z_hat`` from :class:`~pyro_smc.SMC` lower-bounds ``log p(y)`` in expectation (for unbiased
+:math:`\log \hat Z` from :class:`~pyro_smc.SMC` lower-bounds :math:`\log p(y)` in expectation (for unbiased
 resamplers; with optimal-transport resampling the bias is small and the gradient smooth). Its
 mean over ``num_filters`` independent filters is an objective for the model's parameters
 (theta) and the proposal's (phi), so ``SVI(model, guide, optim, loss=SMCELBO(...))`` learns both.
@@ -11,7 +11,7 @@ The model and guide are ``init``/``step`` objects; ``guide=None`` is the bootstr
 A minibatch of sequences ``(B, T, ...)`` is passed with ``batched=True`` (and ``lengths`` for a
 padded batch), as to :meth:`SMC.run <pyro_smc.SMC.run>`; ``num_sequences=D``, the size of the
 data set the minibatch was drawn from, scales the loss to an unbiased estimate of the whole data
-set's ``-sum_d log Z_hat_d``. See ``docs/math/smc.md#batches-of-sequences``.
+set's :math:`-\sum_d \log \hat Z_d`. See ``docs/math/smc.md#batches-of-sequences``.
 
 Example:
     >>> import torch, pyro
@@ -30,7 +30,7 @@ Example:
     >>> batch = torch.stack([ssm.simulate(10)[1] for _ in range(3)])          # (B, T, dy)
     >>> elbo = SMCELBO(num_particles=50, num_filters=2, num_sequences=100)
     >>> loss = elbo.loss(ssm, None, batch, lengths=torch.tensor([10, 8, 4]), batched=True)
-    >>> elbo.smc.log_evidence.shape                                           # (B * num_filters,)
+    >>> elbo.smc.log_evidence.shape  # (B * num_filters,)
     torch.Size([6])
 """
 
@@ -46,18 +46,22 @@ from torch import Tensor
 from pyro_smc.infer.smc.checks import ParticleDegeneracyWarning, check_settings
 from pyro_smc.infer.smc.engine import SMC
 from pyro_smc.infer.smc.schedule import check_lengths
+from pyro_smc.ops.sinkhorn_types import SinkhornConvergenceWarning
+
+# Warnings whose messages carry one run's counts: reported once per category.
+_COUNTED = (ParticleDegeneracyWarning, SinkhornConvergenceWarning)
 
 __all__ = ["SMCELBO"]
 
 
 class SMCELBO(ELBO):
-    """Loss ``-mean_k log Z_hat_k`` of ``num_filters`` independent particle filters.
+    r"""Loss :math:`-\operatorname{mean}_k \log \hat Z_k` of ``num_filters`` independent particle filters.
 
     On a minibatch of ``B`` sequences (``batched=True``) each sequence gets ``num_filters``
-    filters and the loss is ``-(1/B) sum_b mean_k log Z_hat_{b,k}``: the mean over the minibatch,
-    the unbatched loss being its ``B = 1`` case. With ``num_sequences=D`` it is
-    ``-(D/B) sum_b mean_k log Z_hat_{b,k}``, whose expectation over minibatches drawn uniformly
-    without replacement is ``-sum_{d=1}^D E[log Z_hat_d]``: Pyro's ``subsample`` scaling, the
+    filters and the loss is :math:`-(1/B) \sum_b \operatorname{mean}_k \log \hat Z_{b,k}`: the mean over the minibatch,
+    the unbatched loss being its :math:`B = 1` case. With ``num_sequences=D`` it is
+    :math:`-(D/B) \sum_b \operatorname{mean}_k \log \hat Z_{b,k}`, whose expectation over minibatches drawn uniformly
+    without replacement is :math:`-\sum_{d=1}^D \mathbb E[\log \hat Z_d]`: Pyro's ``subsample`` scaling, the
     loss of the whole data set (``D`` times the default loss).
 
     Gradients reach every ``pyro.param`` (and ``PyroParam``) the model and guide read: the
@@ -131,10 +135,10 @@ class SMCELBO(ELBO):
         self.num_sequences = num_sequences
         self.compile = compile
         self.smc: SMC | None = None  # the last run, for diagnostics
-        self._warned_degeneracy = False
+        self._reported: set[tuple[type, str | None]] = set()  # warnings already shown (below)
 
     def _log_evidence(self, model, guide, observations: Tensor, *args, lengths=None, batched: bool = False, **kwargs) -> Tensor:
-        """``log Z_hat`` of every filter, ``(B, num_filters)`` (``B = 1`` unbatched)."""
+        r""":math:`\log \hat Z` of every filter, ``(B, num_filters)`` (:math:`B = 1` unbatched)."""
         K = self.num_filters
         if batched is True:
             if not isinstance(observations, Tensor) or observations.dim() < 2 or observations.shape[0] < 1:
@@ -158,25 +162,35 @@ class SMCELBO(ELBO):
             compile=self.compile,
             progress_bar=False,  # one run per SVI step: a bar each time would be noise
         )
-        # Collapsed weights are reported once per loss object, not at every SVI step (the counts
-        # in the message would defeat Python's once-per-location filter).
+        # An SVI loop runs a filter per step, and each would repeat the last one's warnings: this
+        # loss reports them once. Messages about collapsed weights and Sinkhorn solves carry the
+        # run's counts, so only the first run that has them reports them (for Sinkhorn, its first
+        # warning and its summary); any other warning is reported once per message. (The record
+        # resets Python's once-per-location registry at every step, so its filter cannot do it.)
+        # The user's filters apply when a warning is re-emitted below: "error" raises there.
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ParticleDegeneracyWarning)
+            warnings.simplefilter("always")
             self.smc = smc.run(observations, *args, lengths=lengths, batched=batched, **kwargs)
+        last = {record.category: record for record in caught if issubclass(record.category, _COUNTED)}
         for record in caught:
-            if issubclass(record.category, ParticleDegeneracyWarning):
-                if self._warned_degeneracy:
-                    continue
-                self._warned_degeneracy = True
-                message = f"{record.message} (SMCELBO reports this once; later SVI steps may collapse too)"
-                warnings.warn(ParticleDegeneracyWarning(message), stacklevel=3)
+            counted = issubclass(record.category, _COUNTED)
+            key = (record.category, None if counted else str(record.message))
+            if key in self._reported:
+                continue
+            if counted:
+                message = str(record.message)
+                if record is last[record.category]:
+                    self._reported.add(key)
+                    message += " (SMCELBO reports this for its first SVI step only; later steps may show it too)"
+                warnings.warn(record.category(message), stacklevel=3)
             else:
+                self._reported.add(key)
                 warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
         return smc.log_evidence.reshape(B, K)
 
     def differentiable_loss(self, model, guide, observations: Tensor, *args, **kwargs) -> Tensor:
-        """``-scale * sum_b mean_k log Z_hat_{b,k}`` with its autograd graph, ``scale = 1/B``, or
-        ``D/B`` with ``num_sequences=D``."""
+        r""":math:`-\mathrm{scale} \cdot \sum_b \operatorname{mean}_k \log \hat Z_{b,k}` with its autograd graph, :math:`\mathrm{scale} = 1/B`, or
+        :math:`D/B` with ``num_sequences=D``."""
         log_z = self._log_evidence(model, guide, observations, *args, **kwargs)
         loss = -log_z.mean()
         return loss if self.num_sequences is None else self.num_sequences * loss

@@ -62,7 +62,7 @@ __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarni
 
 
 class SMC:
-    """Differentiable, vectorised particle filter over Pyro ``init``/``step`` models.
+    r"""Differentiable, vectorised particle filter over Pyro ``init``/``step`` models.
 
     The first four arguments are positional as in ``SMCFilter(model, guide, num_particles, max_plate_nesting)``.
 
@@ -81,7 +81,7 @@ class SMC:
             interactive use only (a terminal or a Jupyter kernel with widgets; never under
             pytest or ``CI``), ``True`` always, ``False`` never (:mod:`pyro_smc.progress`).
         store_history: keep, per step, what :meth:`smooth` needs (the weighted particles, their
-            parents and the latent sites' distributions; memory ``O(T B N)``; off by default).
+            parents and the latent sites' distributions; memory :math:`O(T B N)`; off by default).
         compile: replay a recording of a regular step instead of re-running the program
             (``docs/engines/smc.md#the-compiled-step``): ``None`` when safe, else silently on
             Pyro's handlers; ``True`` the same with a warning; ``False`` never.
@@ -103,7 +103,7 @@ class SMC:
         UserWarning: a guide with parameters under ``gradient="stop_gradient"`` (zero gradient).
 
     Example:
-        The log-evidence estimate lies near the exact Kalman value ``log p(y_{1:T})``:
+        The log-evidence estimate lies near the exact Kalman value :math:`\log p(y_{1:T})`:
 
         >>> import torch
         >>> from pyro_smc import SMC
@@ -169,15 +169,15 @@ class SMC:
 
     @property
     def score_function(self) -> bool:
-        """Whether the resampler asks for a Fisher-identity gradient (``gradient="stop_gradient"``
+        r"""Whether the resampler asks for a Fisher-identity gradient (``gradient="stop_gradient"``
         or ``"marginal_stop_gradient"``): detached draws, each proposal site adding
-        ``log q - stop_grad(log q)`` to the log-weight (``docs/math/smc.md#stop-gradient-resampling``)."""
+        :math:`\log q - \operatorname{stop\_grad}(\log q)` to the log-weight (``docs/math/smc.md#stop-gradient-resampling``)."""
         return estimator_of(self.resampler) in (GradientEstimator.SCORE, GradientEstimator.MARGINAL_SCORE)
 
     @property
     def marginal(self) -> bool:
-        """Whether the resampler asks for the ``O(N^2)`` marginal estimator: the log-weight gets
-        ``m_i - stop_grad(m_i)``, ``m_i = log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)``, in place of
+        r"""Whether the resampler asks for the :math:`O(N^2)` marginal estimator: the log-weight gets
+        :math:`m_i - \operatorname{stop\_grad}(m_i)`, :math:`m_i = \log \sum_j w_{t-1}^j f(x_t^i \mid x_{t-1}^j)`, in place of
         the single-ancestor score (``docs/math/smc.md#marginal-stop-gradient``)."""
         return estimator_of(self.resampler) is GradientEstimator.MARGINAL_SCORE
 
@@ -229,13 +229,13 @@ class SMC:
         return self
 
     def run(self, observations: Tensor, *args, lengths: Tensor | None = None, batched: bool = False, **kwargs) -> SMC:
-        """``init(*args)`` then ``step(observations[t], *args)`` for every leading-dim slice.
+        r"""``init(*args)`` then ``step(observations[t], *args)`` for every leading-dim slice.
 
         With ``batched=True`` filter ``b`` runs on sequence ``observations[b]`` (shape
         ``(B, T, ...)``, ``B == num_filters``): at step ``t`` the model gets
         ``observations[:, t].unsqueeze(1)``, of shape ``(B, 1, ...)``, which broadcasts against the
         particle dims ``(B, N)`` (with ``num_filters == 1``, ``observations[0, t]``), and
-        ``log_evidence[b]`` estimates ``log p(y^b_{1:L_b})``. The steps ``t >= lengths[b]`` and
+        ``log_evidence[b]`` estimates :math:`\log p(y^b_{1:L_b})`. The steps ``t >= lengths[b]`` and
         NaN rows are predict-only for filter ``b`` alone (padding is never read); a filter that
         observes nothing at a step moves by the model's transition, and a partly-NaN row moves
         every filter by it. The model and guide are called once per step for all filters: they
@@ -331,7 +331,7 @@ class SMC:
 
     @property
     def log_evidence(self) -> Tensor:
-        """``(B,)`` ``log Z_hat`` of the steps so far, differentiable.
+        r"""``(B,)`` :math:`\log \hat Z` of the steps so far, differentiable.
 
         Raises:
             RuntimeError: before anything was weighed, naming what to call.
@@ -367,7 +367,7 @@ class SMC:
 
     @property
     def log_evidence_increments(self) -> Tensor:
-        """``(T, B)``: ``log p_hat(y_t | y_{1:t-1})`` per step; their sum over ``T`` is ``log_evidence``."""
+        r"""``(T, B)``: :math:`\log \hat p(y_t \mid y_{1:t-1})` per step; their sum over ``T`` is ``log_evidence``."""
         return self._stacked().log_evidence_increments
 
     @property
@@ -378,7 +378,14 @@ class SMC:
             >>> import torch
             >>> from pyro_smc import SMC
             >>> from pyro_smc.models import LinearGaussianSSM
-            >>> ssm = LinearGaussianSSM(0.5 * torch.eye(2), torch.eye(2), torch.eye(2), torch.eye(2), torch.zeros(2), torch.eye(2))
+            >>> ssm = LinearGaussianSSM(
+            ...     0.5 * torch.eye(2),
+            ...     torch.eye(2),
+            ...     torch.eye(2),
+            ...     torch.eye(2),
+            ...     torch.zeros(2),
+            ...     torch.eye(2),
+            ... )
             >>> out = SMC(ssm, num_particles=10).run(ssm.simulate(5)[1]).result
             >>> out.log_evidence_increments.shape, out.ess.shape
             (torch.Size([5, 1]), torch.Size([5, 1]))
@@ -387,20 +394,20 @@ class SMC:
 
     @property
     def weighted_particles(self) -> tuple[dict[str, Tensor], Tensor]:
-        """The particles and normalised log-weights ``(B, N)`` after the last reweighting, before any
+        r"""The particles and normalised log-weights ``(B, N)`` after the last reweighting, before any
         resampling. For posterior summaries prefer these to ``state``: resampling only adds noise,
-        and OT resampling also shrinks the cloud (its barycentric map has bias ``O(epsilon)``)."""
+        and OT resampling also shrinks the cloud (its barycentric map has bias :math:`O(\epsilon)`)."""
         if self._weighted is None:
             raise RuntimeError("SMC has not been run; call init/step or run first")
         return self._weighted
 
     def smooth(self, num_samples: int, method: str = "ffbs", max_rounds: int = smoothing.REJECTION_MAX_ROUNDS) -> dict[str, Tensor]:
-        """Draws ``num_samples`` trajectories per filter from the particle smoother (needs ``store_history=True``).
+        r"""Draws ``num_samples`` trajectories per filter from the particle smoother (needs ``store_history=True``).
 
         ``method="ffbs"`` (forward filtering, backward sampling): each earlier state drawn among the
-        particles with probability proportional to weight times ``f(x_t | x_{t-1})``; any resampler,
-        ``O(S B N)`` per step, no model plates. ``"rejection"``: the same kernel by rejection (Douc
-        et al. 2011, with the exact fallback after ``max_rounds``), ``O(1)`` per draw for Normal/MVN
+        particles with probability proportional to weight times :math:`f(x_t \mid x_{t-1})`; any resampler,
+        :math:`O(S B N)` per step, no model plates. ``"rejection"``: the same kernel by rejection (Douc
+        et al. 2011, with the exact fallback after ``max_rounds``), :math:`O(1)` per draw for Normal/MVN
         transitions. ``"genealogy"``: the ancestral lines (index resamplers only). See
         ``docs/math/smc.md#particle-smoothing``.
 

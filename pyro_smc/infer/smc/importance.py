@@ -18,7 +18,12 @@ and ``docs/math/smc.md#stop-gradient-resampling``.
 Example:
     >>> import torch
     >>> layout = ParticleLayout(num_filters=2, num_particles=3, max_plate_nesting=0)
-    >>> terms = [("y_0", torch.tensor([[1e8, 1e8 + 1, 1e8], [0.0, 0.0, 0.0]], dtype=torch.float64))]
+    >>> terms = [
+    ...     (
+    ...         "y_0",
+    ...         torch.tensor([[1e8, 1e8 + 1, 1e8], [0.0, 0.0, 0.0]], dtype=torch.float64),
+    ...     )
+    ... ]
     >>> increment, offset = centred_increment(terms, layout)
     >>> increment.tolist(), offset.tolist()
     ([[-1.0, 0.0, -1.0], [0.0, 0.0, 0.0]], [100000001.0, 0.0])

@@ -7,9 +7,18 @@ stack of one field, and a checkpoint is the particle state plus the records.
 
 Example:
     >>> import torch
-    >>> rec = StepRecord(torch.tensor([-0.5]), {"x": torch.zeros(1, 2)}, torch.tensor([9.0]), torch.tensor([False]))
+    >>> rec = StepRecord(
+    ...     torch.tensor([-0.5]),
+    ...     {"x": torch.zeros(1, 2)},
+    ...     torch.tensor([9.0]),
+    ...     torch.tensor([False]),
+    ... )
     >>> out = stack_records([rec, rec], log_evidence=torch.tensor([-1.0]))
-    >>> out.log_evidence_increments.shape, out.filtering_means["x"].shape, out.resampler_converged
+    >>> (
+    ...     out.log_evidence_increments.shape,
+    ...     out.filtering_means["x"].shape,
+    ...     out.resampler_converged,
+    ... )
     (torch.Size([2, 1]), torch.Size([2, 1, 2]), None)
 """
 
@@ -70,7 +79,13 @@ class SMCResult(NamedTuple):
         >>> import torch
         >>> T, B = 3, 2
         >>> inc = torch.full((T, B), -0.5)
-        >>> out = SMCResult(inc.sum(0), inc, {"x": torch.zeros(T, B)}, torch.full((T, B), 10.0), torch.zeros(T, B, dtype=torch.bool))
+        >>> out = SMCResult(
+        ...     inc.sum(0),
+        ...     inc,
+        ...     {"x": torch.zeros(T, B)},
+        ...     torch.full((T, B), 10.0),
+        ...     torch.zeros(T, B, dtype=torch.bool),
+        ... )
         >>> out.log_evidence.tolist(), out.resampler_converged is None
         ([-1.5, -1.5], True)
     """
@@ -91,8 +106,16 @@ def stack_records(records: Sequence[StepRecord], log_evidence: Tensor) -> SMCRes
 
     Example:
         >>> import torch
-        >>> rec = StepRecord(torch.zeros(2), {}, torch.ones(2), torch.tensor([True, False]), resampler_converged=torch.tensor([False, True]))
-        >>> stack_records([rec._replace(resampler_converged=None), rec], torch.zeros(2)).resampler_converged.tolist()
+        >>> rec = StepRecord(
+        ...     torch.zeros(2),
+        ...     {},
+        ...     torch.ones(2),
+        ...     torch.tensor([True, False]),
+        ...     resampler_converged=torch.tensor([False, True]),
+        ... )
+        >>> stack_records(
+        ...     [rec._replace(resampler_converged=None), rec], torch.zeros(2)
+        ... ).resampler_converged.tolist()
         [[True, True], [False, True]]
     """
     # A state entry that first appears at a later step has a shorter history of means.

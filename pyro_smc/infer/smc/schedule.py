@@ -10,7 +10,10 @@ See ``docs/math/smc.md#missing-observations`` and ``docs/math/smc.md#batches-of-
 Example:
     >>> import math, torch
     >>> ys = torch.tensor([[0.5, 1.0], [math.nan, math.nan], [math.nan, 2.0]])
-    >>> [(s.predict_only, s.observed is not None) for s in observation_schedule(ys, num_filters=1)]
+    >>> [
+    ...     (s.predict_only, s.observed is not None)
+    ...     for s in observation_schedule(ys, num_filters=1)
+    ... ]
     [(False, False), (True, False), (False, True)]
 """
 

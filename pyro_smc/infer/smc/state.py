@@ -11,7 +11,9 @@ Two parts, kept apart because different code may write them:
 
 Example:
     >>> import torch
-    >>> weights = ParticleWeights.uniform(num_filters=2, num_particles=4, like=torch.zeros(()))
+    >>> weights = ParticleWeights.uniform(
+    ...     num_filters=2, num_particles=4, like=torch.zeros(())
+    ... )
     >>> weights.log_weights.exp().sum(-1).tolist(), weights.log_evidence.tolist()
     ([1.0, 1.0], [0.0, 0.0])
 """

@@ -15,7 +15,7 @@ Example:
     >>> import torch
     >>> from pyro_smc.infer.smc.importance import ParticleLayout
     >>> layout = ParticleLayout(num_filters=1, num_particles=3, max_plate_nesting=0)
-    >>> terms = [("y", torch.zeros(3))]                                  # equal likelihoods, (N,)
+    >>> terms = [("y", torch.zeros(3))]  # equal likelihoods, (N,)
     >>> w = weigh(None, terms, None, layout, StepInputs((), {}, t=0))
     >>> [round(p, 4) for p in w.log_weights.exp()[0].tolist()], w.log_evidence.tolist()
     ([0.3333, 0.3333, 0.3333], [0.0])

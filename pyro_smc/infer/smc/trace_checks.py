@@ -81,12 +81,14 @@ def warn_untrainable_proposal(guide_trace: Trace, estimator: str) -> bool:
 
     The Fisher identity differentiates ``log p(x, y)`` along the particles' paths: the proposal
     changes only which paths are drawn, so its parameters get exactly zero gradient, and a guide
-    trained with this estimator ends where it started. The message names the guide's sites, so
-    Python's default filter shows it once per process and guide (``SMCELBO`` builds an engine
-    per step).
+    trained with this estimator ends where it started. The message names the guide's sites;
+    :class:`~pyro_smc.SMCELBO`, which builds an engine per SVI step, shows it once per loss.
 
     Returns:
-        Whether the trace held a latent site (so the question is settled for the run).
+        Whether it warned (so the question is settled for the run). A step whose guide reads no
+        trainable parameter settles nothing: a guide's ``init`` often samples the first state
+        from a fixed prior and its ``step`` alone reads parameters (once, a guide like that was
+        never warned about).
     """
     if not any(is_latent(site) for site in guide_trace.nodes.values()):
         return False
@@ -106,7 +108,7 @@ def warn_untrainable_proposal(guide_trace: Trace, estimator: str) -> bool:
             UserWarning,
             stacklevel=4,
         )
-    return True
+    return bool(params)
 
 
 def warn_non_reparameterized(model_trace: Trace, guide_trace: Trace | None, where: str, warned: set[str]) -> None:
@@ -255,7 +257,7 @@ class TraceChecks:
         if torch.is_grad_enabled() and estimator_option is None:
             warn_non_reparameterized(model_trace, guide_trace, where, self.warned_sites)
         elif guide_trace is not None and torch.is_grad_enabled() and not self.proposal_checked:
-            # Checked at the first step the guide samples anything (its init usually does not).
+            # Checked until a step's guide reads a trainable parameter (its init often reads none).
             self.proposal_checked = warn_untrainable_proposal(guide_trace, estimator_option)
         if guide_trace is not None:
             extra = [name for name, site in guide_trace.nodes.items() if is_scored(site) and name not in model_trace.nodes]

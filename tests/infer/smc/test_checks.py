@@ -11,6 +11,7 @@ import torch
 
 from pyro_smc import SMC, SMCELBO
 from pyro_smc.infer.smc.checks import ParticleDegeneracyWarning
+from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.resamplers import OTResampler, SystematicResampler
 from tests.infer.paper_model import DiagLinearGaussian, kalman_log_evidence, simulate
 from tests.tolerances import MC_SIGMAS
@@ -193,10 +194,64 @@ def test_smcelbo_reports_collapsed_weights_once():
     """An SVI loop whose weights collapse gets one warning, not one per step."""
     ys = _ys(20)
     elbo = SMCELBO(num_particles=100)
-    with pytest.warns(ParticleDegeneracyWarning, match="SMCELBO reports this once") as record:
+    with pytest.warns(ParticleDegeneracyWarning, match="SMCELBO reports this for its first SVI step only") as record:
         for _ in range(3):
             elbo.loss(AR1(obs_sd=1e-6), None, ys)
     assert sum(issubclass(r.category, ParticleDegeneracyWarning) for r in record) == 1
+
+
+class _PriorInitGuide:
+    """A guide whose ``init`` draws the first state from a fixed prior and whose ``step`` alone
+    reads a trainable parameter (the shape of most hand-written proposals)."""
+
+    def init(self, state):
+        pyro.sample("x_init", dist.Normal(0.0, 1.0))
+
+    def step(self, state, y=None):
+        gain = pyro.param("gain", torch.tensor(0.5))
+        pyro.sample("x", dist.Normal(state["x"] + gain * (y - state["x"]), 1.0))
+
+
+class _PriorInitModel:
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(0.0, 1.0))
+
+    def step(self, state, y=None):
+        state["x"] = pyro.sample("x", dist.Normal(state["x"], 1.0))
+        pyro.sample("y", dist.Normal(state["x"], 0.5), obs=y)
+
+
+def test_stop_gradient_warns_about_a_guide_whose_init_reads_no_parameter():
+    """Before: the check was settled by the first step at which the guide sampled anything, its
+    ``init``; that step read no parameter, so a guide trained with ``stop_gradient`` (exactly zero
+    gradient) was never warned about."""
+    ys = _ys(10)
+    with pytest.warns(UserWarning, match="gives the guide's"):
+        SMC(_PriorInitModel(), _PriorInitGuide(), num_particles=20, resampler=SystematicResampler(gradient="stop_gradient")).run(ys)
+
+
+def test_smcelbo_reports_each_warning_once_over_an_svi_loop():
+    """Before: SMCELBO re-emitted every run's warnings through ``warn_explicit``, which bypasses
+    Python's once-per-location filter, so an SVI loop repeated the same warning at every step
+    (tutorial 06: 400 copies of the stop-gradient guide warning in a 400-step fit). Now: one copy
+    of each message, and the first run's Sinkhorn warning and summary only."""
+    ys = _ys(20)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        guided = SMCELBO(num_particles=20, resampler=SystematicResampler(gradient="stop_gradient"))
+        sinkhorn = SMCELBO(num_particles=20, resampler=OTResampler(0.01, max_iter=3))
+        for _ in range(4):
+            guided.differentiable_loss(_PriorInitModel(), _PriorInitGuide(), ys)  # as SVI.step does
+            sinkhorn.loss(_PriorInitModel(), None, ys)
+    guide_warnings = [r for r in caught if "gives the guide's" in str(r.message)]
+    solver_warnings = [r for r in caught if issubclass(r.category, SinkhornConvergenceWarning)]
+    assert len(guide_warnings) == 1
+    assert len(solver_warnings) == 2 and "SMCELBO reports this for its first SVI step only" in str(solver_warnings[-1].message)
+    # an "error" filter still stops the loop at the first one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SinkhornConvergenceWarning)
+        with pytest.raises(SinkhornConvergenceWarning):
+            SMCELBO(num_particles=20, resampler=OTResampler(0.01, max_iter=3)).loss(_PriorInitModel(), None, ys)
 
 
 @pytest.mark.parametrize("case", ["bigger_than_event", "scalar_into_event", "bigger_than_plate", "scalar_into_plate"])
