@@ -1,15 +1,15 @@
 r"""Pyro distributions: the matrix normal with lower-Cholesky row and column scales.
 
-``MatrixNormal(M, L_row, L_col)`` is the law of ``W = M + L_row E L_col^T`` with ``E`` of i.i.d.
-standard normal entries; row covariance ``U = L_row L_row^T``, column covariance
-``V = L_col L_col^T``, and with column-major ``vec``
+``MatrixNormal(M, L_row, L_col)`` is the law of :math:`W = M + L_{\mathrm{row}} E L_{\mathrm{col}}^\top` with ``E`` of i.i.d.
+standard normal entries; row covariance :math:`U = L_{\mathrm{row}} L_{\mathrm{row}}^\top`, column covariance
+:math:`V = L_{\mathrm{col}} L_{\mathrm{col}}^\top`, and with column-major ``vec``
 
-    vec(W) ~ N(vec(M), V kron U)            (NumPyro's convention).
+    :math:`\operatorname{vec}(W) \sim \mathcal N(\operatorname{vec}(M), V \otimes U)`            (NumPyro's convention).
 
-Huang et al. write the K-Linear layer as ``W = M + A E B'`` with
-``vec(W) ~ N(vec(M), (B'^T B') kron (A A^T))``: that is ``L_row = A`` and ``L_col = B'^T``. The
-Kronecker-flow guides store the lower-triangular ``B = B'^T`` and write ``W = M + A E B^T``, so
-for them ``L_col = B``. The Kronecker algebra lives in :mod:`pyro_smc.ops.kronecker` and
+Huang et al. write the K-Linear layer as :math:`W = M + A E B'` with
+:math:`\operatorname{vec}(W) \sim \mathcal N(\operatorname{vec}(M), (B'^\top B') \otimes (A A^\top))`: that is :math:`L_{\mathrm{row}} = A` and :math:`L_{\mathrm{col}} = B'^\top`. The
+Kronecker-flow guides store the lower-triangular :math:`B = B'^\top` and write :math:`W = M + A E B^\top`, so
+for them :math:`L_{\mathrm{col}} = B`. The Kronecker algebra lives in :mod:`pyro_smc.ops.kronecker` and
 :mod:`pyro_smc.ops.kronecker_tril`.
 See ``docs/math/kronecker.md#matrix-normal-distribution``.
 
@@ -76,16 +76,19 @@ def _check_square(name: str, value: Tensor, size: int, what: str) -> None:
 class MatrixNormal(TorchDistribution):
     r"""Matrix normal distribution over ``(n, p)`` matrices, parametrised by lower-Cholesky scales.
 
-    ``W = loc + L_row E L_col^T`` with ``E_ij ~ N(0, 1)`` i.i.d., so ``vec(W) ~ N(vec(loc), V kron U)``
-    with ``U = L_row L_row^T`` (``n x n``, covariance between rows) and ``V = L_col L_col^T``
-    (``p x p``, covariance between columns), ``vec`` column-major. In the guides' K-Linear form
-    ``W = M + A E B^T`` (``A``, ``B`` lower triangular), ``L_row = A`` and ``L_col = B``.
+    :math:`W = \mathrm{loc} + L_{\mathrm{row}} E L_{\mathrm{col}}^\top` with :math:`E_{ij} \sim \mathcal N(0, 1)` i.i.d., so
+    :math:`\operatorname{vec}(W) \sim \mathcal N(\operatorname{vec}(\mathrm{loc}), V \otimes U)`
+    with :math:`U = L_{\mathrm{row}} L_{\mathrm{row}}^\top` (:math:`n \times n`, covariance between rows) and :math:`V = L_{\mathrm{col}} L_{\mathrm{col}}^\top`
+    (:math:`p \times p`, covariance between columns), ``vec`` column-major. In the guides' K-Linear form
+    :math:`W = M + A E B^\top` (``A``, ``B`` lower triangular), :math:`L_{\mathrm{row}} = A` and :math:`L_{\mathrm{col}} = B`.
     See ``docs/math/kronecker.md#matrix-normal-distribution``.
 
-    The log-density is computed by triangular solves, never forming the ``np x np`` covariance:
+    The log-density is computed by triangular solves, never forming the :math:`np \times np` covariance:
 
-        log p(W) = -1/2 ||L_row^{-1} (W - M) L_col^{-T}||_F^2 - p sum log diag L_row
-                   - n sum log diag L_col - (n p / 2) log 2 pi.
+    .. math::
+
+        \log p(W) = -\frac{1}{2} \| L_{\mathrm{row}}^{-1} (W - M) L_{\mathrm{col}}^{-\top} \|_F^2 - p \sum \log \operatorname{diag} L_{\mathrm{row}}
+                    - n \sum \log \operatorname{diag} L_{\mathrm{col}} - (n p / 2) \log 2 \pi.
 
     Args:
         loc: mean ``M``, shape ``(..., n, p)`` with ``n, p >= 1``, finite, float32 or float64.
@@ -175,21 +178,21 @@ class MatrixNormal(TorchDistribution):
 
     @property
     def variance(self) -> Tensor:
-        """``Var(W_ij) = U_ii V_jj``, shape ``batch + (n, p)``."""
+        r""":math:`\operatorname{Var}(W_{ij}) = U_{ii} V_{jj}`, shape ``batch + (n, p)``."""
         return kron_tril_variance(self.scale_tril_row, self.scale_tril_col)
 
     @property
     def row_covariance(self) -> Tensor:
-        """``U = L_row L_row^T``, shape ``batch + (n, n)``."""
+        r""":math:`U = L_{\mathrm{row}} L_{\mathrm{row}}^\top`, shape ``batch + (n, n)``."""
         return self.scale_tril_row @ self.scale_tril_row.transpose(-1, -2)
 
     @property
     def column_covariance(self) -> Tensor:
-        """``V = L_col L_col^T``, shape ``batch + (p, p)``."""
+        r""":math:`V = L_{\mathrm{col}} L_{\mathrm{col}}^\top`, shape ``batch + (p, p)``."""
         return self.scale_tril_col @ self.scale_tril_col.transpose(-1, -2)
 
     def rsample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> Tensor:
-        """``M + L_row E L_col^T`` with standard normal ``E`` ``(sample_shape, ..., n, p)``."""
+        r""":math:`M + L_{\mathrm{row}} E L_{\mathrm{col}}^\top` with standard normal ``E`` ``(sample_shape, ..., n, p)``."""
         shape = self._extended_shape(torch.Size(sample_shape))
         eps = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
         value = self.loc + kron_matvec(self.scale_tril_row, self.scale_tril_col.transpose(-1, -2), eps)
@@ -218,7 +221,8 @@ class MatrixNormal(TorchDistribution):
 
 @register_kl(MatrixNormal, MatrixNormal)
 def _kl_matrixnormal_matrixnormal(q: MatrixNormal, p: MatrixNormal) -> Tensor:
-    """``KL(q || p) = 1/2 [tr(S_p^{-1} S_q) + m^T S_p^{-1} m - np + log det S_p - log det S_q]``, ``m = M_p - M_q``.
+    r""":math:`\operatorname{KL}(q \,\|\, p) = \frac{1}{2} [\operatorname{tr}(S_p^{-1} S_q) + m^\top S_p^{-1} m - np + \log\det S_p - \log\det S_q]`,
+    :math:`m = M_p - M_q`.
 
     See ``docs/math/kronecker.md#kl-divergences``.
     """
@@ -233,9 +237,9 @@ def _kl_matrixnormal_matrixnormal(q: MatrixNormal, p: MatrixNormal) -> Tensor:
 
 @register_kl(MatrixNormal, Independent)
 def _kl_matrixnormal_independent_normal(q: MatrixNormal, p: Independent) -> Tensor:
-    """KL to a diagonal Gaussian ``Independent(Normal(mu, s), 2)`` over the same ``(n, p)`` event.
+    r"""KL to a diagonal Gaussian ``Independent(Normal(mu, s), 2)`` over the same ``(n, p)`` event.
 
-    ``1/2 sum_ij [(U_ii V_jj + (mu_ij - M_ij)^2) / s_ij^2 - 1 + 2 log s_ij] - log det S_q^{1/2}``.
+    :math:`\frac{1}{2} \sum_{ij} [(U_{ii} V_{jj} + (\mu_{ij} - M_{ij})^2) / s_{ij}^2 - 1 + 2 \log s_{ij}] - \log\det S_q^{1/2}`.
     Raises ``NotImplementedError`` for any other ``Independent`` (so ``TraceMeanField_ELBO`` falls
     back to sampling). See ``docs/math/kronecker.md#kl-divergences``.
     """

@@ -1,19 +1,19 @@
-"""Independent SE-ARD Gaussian processes, one per output, with exact moments at Gaussian inputs.
+r"""Independent SE-ARD Gaussian processes, one per output, with exact moments at Gaussian inputs.
 
-:class:`MultiOutputGP` holds ``E`` GP regressions ``y_a = f_a(x) + N(0, sigma_a^2)`` on shared
-inputs ``X`` ``(n, D)``, each with its own ARD lengthscales ``l_a`` ``(D,)``, signal variance
-``alpha_a^2`` and noise ``sigma_a^2`` (zero prior mean, as ``pyro.contrib.gp.models.GPRegression``).
-Hyperparameters are ``PyroParam``\\ s constrained positive (optimised in log space) and named as in
+:class:`MultiOutputGP` holds ``E`` GP regressions :math:`y_a = f_a(x) + \mathcal N(0, \sigma_a^2)` on shared
+inputs ``X`` ``(n, D)``, each with its own ARD lengthscales :math:`l_a` ``(D,)``, signal variance
+:math:`\alpha_a^2` and noise :math:`\sigma_a^2` (zero prior mean, as ``pyro.contrib.gp.models.GPRegression``).
+Hyperparameters are ``PyroParam``\ s constrained positive (optimised in log space) and named as in
 ``pyro.contrib.gp``: ``lengthscale`` ``(E, D)``, ``variance`` ``(E,)``, ``noise`` ``(E,)``.
 :meth:`~MultiOutputGP.fit` maximises the exact log marginal likelihood of all ``E`` GPs at once.
 
 Predictions (:meth:`~MultiOutputGP.predict`, :meth:`~MultiOutputGP.predict_moments`,
-:meth:`~MultiOutputGP.linearize`) are of the latent ``f``; ``noisy=True`` adds ``sigma_a^2``. They
+:meth:`~MultiOutputGP.linearize`) are of the latent ``f``; ``noisy=True`` adds :math:`\sigma_a^2`. They
 are differentiable in the inputs ``x``, ``mean`` and ``cov``, in the hyperparameters and in the
 data ``X``, ``Y`` (when made parameters, e.g. ``gp.X = torch.nn.Parameter(X)``), so the
 hyperparameters can be fitted by maximising an evidence computed from the predictions (the
 ``log_evidence`` of :func:`~pyro_smc.infer.gp_rtss` or of :class:`~pyro_smc.EPSmoother`). The
-posterior (Cholesky-based ``beta`` and ``(K + sigma^2 I)^{-1}``) is computed with its autograd
+posterior (Cholesky-based ``beta`` and :math:`(K + \sigma^2 I)^{-1}`) is computed with its autograd
 graph whenever gradients are enabled and one of its inputs requires grad; otherwise it is
 computed without a graph and cached until the hyperparameters or data change. Inside
 :meth:`~MultiOutputGP.pinned_posterior` (or :func:`pinned_posteriors`) it is computed once and
@@ -82,16 +82,16 @@ def _hyperparameter(name: str, value: object, shape: tuple[int, ...], like: Tens
 
 
 class MultiOutputGP(PyroModule):
-    """``E`` independent SE-ARD GP regressions on shared inputs.
+    r"""``E`` independent SE-ARD GP regressions on shared inputs.
 
     Args:
         X: training inputs ``(n, D)``.
         Y: training targets ``(n, E)`` (or ``(n,)`` for one output).
         lengthscale: ARD lengthscales, broadcastable to ``(E, D)``; default: the standard
             deviation of each input dimension.
-        variance: signal variances ``alpha_a^2``, broadcastable to ``(E,)``; default: the variance
+        variance: signal variances :math:`\alpha_a^2`, broadcastable to ``(E,)``; default: the variance
             of each output.
-        noise: likelihood variances ``sigma_a^2``, broadcastable to ``(E,)``; default:
+        noise: likelihood variances :math:`\sigma_a^2`, broadcastable to ``(E,)``; default:
             ``0.1 * variance``.
         jitter: added to the Gram diagonal with the noise, as in ``pyro.contrib.gp``.
 
@@ -185,7 +185,7 @@ class MultiOutputGP(PyroModule):
         return torch.linalg.cholesky(K + (noise + self.jitter)[:, None, None] * eye)
 
     def log_marginal_likelihood(self) -> Tensor:
-        """Exact ``log p(y_a | X)`` of each output, ``(E,)``; differentiable in the hyperparameters."""
+        r"""Exact :math:`\log p(y_a \mid X)` of each output, ``(E,)``; differentiable in the hyperparameters."""
         L = self._gram_cholesky(self.lengthscale, self.variance, self.noise)
         alpha = torch.linalg.solve_triangular(L, self.Y.T.unsqueeze(-1), upper=False).squeeze(-1)
         n = self.X.shape[0]
@@ -193,7 +193,7 @@ class MultiOutputGP(PyroModule):
         return -0.5 * (alpha * alpha).sum(-1) - log_det_half - 0.5 * n * math.log(2 * math.pi)
 
     def fit(self, num_steps: int = 200, lr: float | None = None, optimizer: str = "adam") -> list[float]:
-        """Maximises the summed log marginal likelihood over the (log) hyperparameters.
+        r"""Maximises the summed log marginal likelihood over the (log) hyperparameters.
 
         Args:
             num_steps: Adam steps, or the maximum number of L-BFGS iterations.
@@ -201,7 +201,7 @@ class MultiOutputGP(PyroModule):
             optimizer: ``"adam"`` or ``"lbfgs"``.
 
         Returns:
-            The loss ``-sum_a log p(y_a | X)`` at every evaluation.
+            The loss :math:`-\sum_a \log p(y_a \mid X)` at every evaluation.
         """
         if optimizer not in ("adam", "lbfgs"):
             raise ValueError(f"optimizer must be 'adam' or 'lbfgs', got {optimizer!r}")
@@ -273,12 +273,12 @@ class MultiOutputGP(PyroModule):
 
     @contextlib.contextmanager
     def pinned_posterior(self) -> Iterator[MultiOutputGP]:
-        """Within the ``with`` block, every prediction shares one posterior, computed on entry.
+        r"""Within the ``with`` block, every prediction shares one posterior, computed on entry.
 
-        An engine makes two projections per time step and sweep (``2T`` per sweep). When the
+        An engine makes two projections per time step and sweep (:math:`2T` per sweep). When the
         posterior carries an autograd graph (gradients enabled and a hyperparameter, ``X`` or
         ``Y`` requiring grad) it is not cached, so without the pin each projection would
-        recompute the ``n x n`` Cholesky factor and keep its own copy of the graph: ``T`` times
+        recompute the :math:`n \times n` Cholesky factor and keep its own copy of the graph: ``T`` times
         the time and memory of one. Pinned, the factor is computed once, and its graph is shared
         by all the predictions (so backpropagate through them together, once). The posterior is
         computed with a graph by the same rule as outside the pin, as it stands on entry:
@@ -321,25 +321,25 @@ class MultiOutputGP(PyroModule):
         return value
 
     def predict(self, x: Tensor, noisy: bool = False) -> tuple[Tensor, Tensor]:
-        """Posterior mean and variance at ``x`` ``(..., D)``.
+        r"""Posterior mean and variance at ``x`` ``(..., D)``.
 
         Returns:
             ``(mean, var)``, each ``(..., E)``: of the latent function, or of a new noisy
-            observation (``var + sigma^2``) if ``noisy``.
+            observation (:math:`\mathrm{var} + \sigma^2`) if ``noisy``.
         """
         x = self._as_input("x", x, 1)
         post = self._posterior()
         return se_ard_predict(x, *post[:5], noise=post.noise if noisy else None)
 
     def linearize(self, x: Tensor, noisy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Posterior mean ``(..., E)``, its Jacobian ``d mean / d x`` ``(..., E, D)`` and the
+        r"""Posterior mean ``(..., E)``, its Jacobian :math:`\partial \mathrm{mean} / \partial x` ``(..., E, D)`` and the
         variance ``(..., E)`` at ``x`` ``(..., D)`` (the GP-EKS linearisation)."""
         x = self._as_input("x", x, 1)
         post = self._posterior()
         return se_ard_linearize(x, *post[:5], noise=post.noise if noisy else None)
 
     def predict_moments(self, mean: Tensor, cov: Tensor, noisy: bool = False, chunk_size: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Exact moments of ``f(x)`` (``+ noise`` if ``noisy``) for ``x ~ N(mean, cov)``.
+        r"""Exact moments of ``f(x)`` (``+ noise`` if ``noisy``) for :math:`x \sim \mathcal N(\mathrm{mean}, \mathrm{cov})`.
 
         See ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input``.
 
@@ -350,7 +350,7 @@ class MultiOutputGP(PyroModule):
             chunk_size: elements per temporary block, see :func:`pyro_smc.ops.gp_moments.se_ard_moments`.
 
         Returns:
-            ``(M (..., E), V (..., E, E), C (..., D, E))``: mean, covariance and ``Cov[x, f(x)]``.
+            ``(M (..., E), V (..., E, E), C (..., D, E))``: mean, covariance and :math:`\operatorname{Cov}[x, f(x)]`.
         """
         mean = self._as_input("mean", mean, 1)
         cov = self._as_input("cov", cov, 2)

@@ -95,6 +95,7 @@ def test_docs_build(tmp_path):
     assert not missing, f"public names missing from the API reference: {missing}"
     _check_built_maths(tmp_path / "html")
     _check_names_linked(tmp_path / "html")
+    _check_docstring_maths(tmp_path / "html")
 
 
 # TeX that reached a page as text: a dollar, or a control word of the kinds the pages use.
@@ -241,6 +242,56 @@ def _check_names_linked(html: pathlib.Path) -> None:
         if names:
             missing[str(page.relative_to(html))] = sorted(set(names))
     assert not missing, "Pyro/PyTorch names in inline code without a link (add them to docs/_inventories/objects.txt): " + repr(missing)
+
+
+# The docstrings whose formulas are typeset (:math:`...`) rather than shown as ASCII literals, and
+# the API pages that document them: SMC, SMCELBO, EPSmoother and OnlineVariationalFilter (api/pyro_smc),
+# the resamplers, the Kronecker and streaming guides (api/guides), the models, MatrixNormal and the GPs.
+_MATHS_SOURCES = [
+    "pyro_smc/infer/smc/engine.py", "pyro_smc/infer/smc/elbo.py", "pyro_smc/resamplers/*.py", "pyro_smc/infer/gaussian/ep.py",
+    "pyro_smc/guides/kronecker/*.py", "pyro_smc/distributions.py", "pyro_smc/infer/online/filter.py",
+    "pyro_smc/guides/streaming/guide.py", "pyro_smc/models/linear_gaussian.py", "pyro_smc/models/nonlinear_gaussian.py", "pyro_smc/gp.py",
+]
+_MATHS_PAGES = ["api/pyro_smc.html", "api/resamplers.html", "api/guides.html", "api/models.html", "api/distributions.html", "api/gp.html"]
+# A double-backtick literal that is an ASCII formula: a sum or product (sum_j, prod_k), a transpose
+# (B^T), an estimate (log Z_hat), a Gaussian law (x ~ N(...)), a Kronecker product or a log-density.
+_LITERAL = re.compile(r"``(.+?)``", re.S)
+_FORMULA = re.compile(r"\b(?:sum|prod)_|\^T\b|Z_hat|\s~\s*N\(|\bkron\b|\blog p\(")
+
+
+def formula_literals(source: str) -> list[str]:
+    """The double-backtick literals of the docstrings in ``source`` (a module's text, doctest lines
+    left out) that are ASCII formulas, to be written as :math:`...` instead.
+
+    Example: of a docstring that shows ``W = M + A E B^T`` and ``num_particles`` as literals,
+    the first is found, the second (a name) is not.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and (doc := ast.get_docstring(node, clean=False)):
+            prose = "\n".join(line for line in doc.splitlines() if not line.lstrip().startswith((">>>", "...")))
+            found.extend(m[0] for m in _LITERAL.finditer(prose) if _FORMULA.search(m[1]))
+    return found
+
+
+def test_formula_literals_finds_ascii_maths_only():
+    doc = '"""``x~_i = sum_j P_ij x_j`` ``log Z_hat`` ``E_ij ~ N(0, 1)`` ``U = A E B^T`` ``x ~ N(mean, cov)``"""'
+    assert len(formula_literals(doc)) == 5
+    code = 'r"""``gradient="stop_gradient"`` ``(..., N, d)`` ``torch.sum`` ``num_particles`` ``int >= 1`` :math:`\\log \\hat Z`"""'
+    assert formula_literals(code) == []
+
+
+def _check_docstring_maths(html: pathlib.Path) -> None:
+    """The API pages of the engines, resamplers, guides, models and distributions typeset their
+    formulas, and no docstring of the modules behind them still writes one as an ASCII literal."""
+    without = [page for page in _MATHS_PAGES if 'class="math' not in (html / page).read_text(encoding="utf-8")]
+    assert not without, f"API pages without typeset maths (a formula written as ``...`` instead of :math:`...`?): {without}"
+    left = {}
+    for pattern in _MATHS_SOURCES:
+        for path in sorted(ROOT.glob(pattern)):
+            if hits := formula_literals(path.read_text(encoding="utf-8")):
+                left[str(path.relative_to(ROOT))] = hits
+    assert not left, "formulas written as ``...`` literals; write them as :math:`...` (a raw docstring, r\"\"\"): " + repr(left)
 
 
 _EXAMPLE = re.compile(r"^\s*Examples?\b[^\n]*:\s*$", re.M)

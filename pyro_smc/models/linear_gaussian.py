@@ -1,8 +1,8 @@
-"""Linear-Gaussian state-space model: a runnable Pyro model and its exact Kalman oracle.
+r"""Linear-Gaussian state-space model: a runnable Pyro model and its exact Kalman oracle.
 
 See ``docs/math/ep.md#kalman-filter``.
 
-``x_1 ~ N(init_mean, init_cov)``, ``x_t = A x_{t-1} + N(0, Q)``, ``y_t = C x_t + N(0, R)``.
+:math:`x_1 \sim \mathcal N(\mathrm{init\_mean}, \mathrm{init\_cov})`, :math:`x_t = A x_{t-1} + \mathcal N(0, Q)`, :math:`y_t = C x_t + \mathcal N(0, R)`.
 The model follows the ``init``/``step`` protocol of :class:`pyro_smc.SMC` (and of
 ``pyro.infer.SMCFilter``): ``step(state, y)`` samples the latent site ``f"x_{t}"`` and observes
 ``f"y_{t}"``, with ``t`` the 0-based time index. :meth:`kalman_filter`, :meth:`rts_smoother` and
@@ -58,8 +58,8 @@ class LinearGaussianSSM(PyroModule):
         Q: transition noise covariance ``(d, d)``, positive definite.
         C: emission matrix ``(dy, d)``.
         R: observation noise covariance ``(dy, dy)``, positive definite.
-        init_mean: mean of ``x_1`` ``(d,)``.
-        init_cov: covariance of ``x_1`` ``(d, d)``, positive definite.
+        init_mean: mean of :math:`x_1` ``(d,)``.
+        init_cov: covariance of :math:`x_1` ``(d, d)``, positive definite.
 
     Raises:
         ValueError: the matrices' shapes, dtypes or devices do not agree (``A`` sets the model's),
@@ -136,28 +136,28 @@ class LinearGaussianSSM(PyroModule):
         return self.R
 
     def transition_fn(self, x: Tensor, t: int) -> Tensor:
-        """``A x`` for ``x`` of shape ``(..., d)``."""
+        """:math:`A x` for ``x`` of shape ``(..., d)``."""
         return x @ self.A.transpose(-1, -2)
 
     transition_fn.time_invariant = True  # the projections may batch it over time
 
     def observation_fn(self, x: Tensor, t: int) -> Tensor:
-        """``C x`` for ``x`` of shape ``(..., d)``."""
+        """:math:`C x` for ``x`` of shape ``(..., d)``."""
         return x @ self.C.transpose(-1, -2)
 
     observation_fn.time_invariant = True  # the projections may batch it over time
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
-        """``(A x, None)``: linear, no predictive variance."""
+        """(:math:`A x`, ``None``): linear, no predictive variance."""
         return self.transition_fn(x, t), None
 
     def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
-        """``(C x, None)``: linear, no predictive variance."""
+        """(:math:`C x`, ``None``): linear, no predictive variance."""
         return self.observation_fn(x, t), None
 
     # --- the SMC protocol -------------------------------------------------------------------
     def init(self, state: dict) -> None:
-        """Starts a new sequence; the first :meth:`step` samples ``x_0`` from the prior."""
+        """Starts a new sequence; the first :meth:`step` samples :math:`x_0` from the prior."""
         self._t = 0
         # Factorise once per sequence, not once per step.
         self._scale_q = torch.linalg.cholesky(self.Q)
@@ -169,7 +169,7 @@ class LinearGaussianSSM(PyroModule):
         self._obs_sd = diagonal.sqrt() if bool((self.R == torch.diag_embed(diagonal)).all()) else None
 
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:
-        """Samples ``x_t`` given ``state["x"]`` (or from the prior at ``t = 0``) and observes ``y_t``."""
+        """Samples :math:`x_t` given ``state["x"]`` (or from the prior at :math:`t = 0`) and observes :math:`y_t`."""
         t = self._t
         # The scale factors are Cholesky factors made in init (which raises on a non-PD matrix), so
         # validating them again at every step only costs time: about 0.4 ms per distribution for a
@@ -193,15 +193,15 @@ class LinearGaussianSSM(PyroModule):
 
     # --- the exact oracle -------------------------------------------------------------------
     def kalman_filter(self, ys: Tensor) -> kalman.FilterResult:
-        """Exact filtering distributions ``p(x_t | y_{1:t})`` for ``ys`` of shape ``(T, dy)``."""
+        r"""Exact filtering distributions :math:`p(x_t \mid y_{1:t})` for ``ys`` of shape ``(T, dy)``."""
         return kalman.kalman_filter(ys, self.A, self.Q, self.C, self.R, self.init_mean, self.init_cov)
 
     def rts_smoother(self, ys: Tensor) -> kalman.SmootherResult:
-        """Exact smoothing distributions ``p(x_t | y_{1:T})``."""
+        r"""Exact smoothing distributions :math:`p(x_t \mid y_{1:T})`."""
         return kalman.rts_smoother(self.kalman_filter(ys), self.A)
 
     def log_evidence(self, ys: Tensor) -> Tensor:
-        """Exact ``log p(y_{1:T})``."""
+        r"""Exact :math:`\log p(y_{1:T})`."""
         return self.kalman_filter(ys).log_evidence
 
     @torch.no_grad()
@@ -221,10 +221,10 @@ class LinearGaussianSSM(PyroModule):
 
 
 class DiagonalLinearGaussianSSM(PyroModule):
-    """Linear-Gaussian model with learnable diagonal dynamics and emissions (``PyroParam`` attributes).
+    r"""Linear-Gaussian model with learnable diagonal dynamics and emissions (``PyroParam`` attributes).
 
-    ``x_1 ~ N(0, init_scale^2 I)``, ``x_t = diag(a) x_{t-1} + N(0, q^2 I)``, ``y_t = diag(c) x_t +
-    N(0, r^2 I)``: the parameter-learning setting of Campbell et al. (2021, Figure 1b), ``2d``
+    :math:`x_1 \sim \mathcal N(0, \mathrm{init\_scale}^2 I)`, :math:`x_t = \operatorname{diag}(a) x_{t-1} + \mathcal N(0, q^2 I)`, :math:`y_t = \operatorname{diag}(c) x_t +
+    \mathcal N(0, r^2 I)`: the parameter-learning setting of Campbell et al. (2021, Figure 1b), :math:`2d`
     parameters ``a`` (``transition_diag``) and ``c`` (``emission_diag``). :meth:`as_linear_gaussian`
     freezes the current values into a :class:`LinearGaussianSSM`, whose Kalman filter is the oracle.
     The Gaussian engines read the live (differentiable) parameters through the same protocol.
@@ -232,9 +232,9 @@ class DiagonalLinearGaussianSSM(PyroModule):
     Args:
         transition_diag: initial ``a`` ``(d,)``.
         emission_diag: initial ``c`` ``(d,)``.
-        transition_scale: ``q > 0``.
-        observation_scale: ``r > 0``.
-        init_scale: standard deviation of ``x_1``.
+        transition_scale: :math:`q > 0`.
+        observation_scale: :math:`r > 0`.
+        init_scale: standard deviation of :math:`x_1`.
 
     Raises:
         ValueError: ``transition_diag`` and ``emission_diag`` are not vectors of one length, or
@@ -295,46 +295,46 @@ class DiagonalLinearGaussianSSM(PyroModule):
 
     @property
     def init_cov(self) -> Tensor:
-        """``init_scale^2 I``."""
+        r""":math:`\mathrm{init\_scale}^2 I`."""
         return self._scaled_eye(self.init_scale)
 
     @property
     def transition_cov(self) -> Tensor:
-        """``transition_scale^2 I``."""
+        r""":math:`\mathrm{transition\_scale}^2 I`."""
         return self._scaled_eye(self.transition_scale)
 
     @property
     def observation_cov(self) -> Tensor:
-        """``observation_scale^2 I``."""
+        r""":math:`\mathrm{observation\_scale}^2 I`."""
         return self._scaled_eye(self.observation_scale)
 
     def transition_fn(self, x: Tensor, t: int) -> Tensor:
-        """``diag(a) x`` for ``x`` of shape ``(..., d)``."""
+        r""":math:`\operatorname{diag}(a) x` for ``x`` of shape ``(..., d)``."""
         return x * self.transition_diag
 
     transition_fn.time_invariant = True  # the projections may batch it over time
 
     def observation_fn(self, x: Tensor, t: int) -> Tensor:
-        """``diag(c) x`` for ``x`` of shape ``(..., d)``."""
+        r""":math:`\operatorname{diag}(c) x` for ``x`` of shape ``(..., d)``."""
         return x * self.emission_diag
 
     observation_fn.time_invariant = True  # the projections may batch it over time
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
-        """``(diag(a) x, None)``."""
+        r"""(:math:`\operatorname{diag}(a) x`, ``None``)."""
         return self.transition_fn(x, t), None
 
     def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, None]:
-        """``(diag(c) x, None)``."""
+        r"""(:math:`\operatorname{diag}(c) x`, ``None``)."""
         return self.observation_fn(x, t), None
 
     # --- the SMC protocol -------------------------------------------------------------------
     def init(self, state: dict) -> None:
-        """Starts a new sequence; the first :meth:`step` samples ``x_0`` from the prior."""
+        """Starts a new sequence; the first :meth:`step` samples :math:`x_0` from the prior."""
         self._t = 0
 
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:
-        """Samples ``x_t`` given ``state["x"]`` (or from the prior at ``t = 0``) and observes ``y_t``."""
+        """Samples :math:`x_t` given ``state["x"]`` (or from the prior at :math:`t = 0`) and observes :math:`y_t`."""
         t = self._t
         a, c = self.transition_diag, self.emission_diag
         if "x" in state:

@@ -1,10 +1,10 @@
-"""Nonlinear state-space model with additive Gaussian noise; dynamics and measurements are
+r"""Nonlinear state-space model with additive Gaussian noise; dynamics and measurements are
 known functions or Gaussian processes.
 
 See ``docs/math/ep.md#model``.
 
-``x_0 ~ N(init_mean, init_cov)``, ``x_{t+1} = f(x_t) + w_t``, ``w_t ~ N(0, Q)``,
-``y_t = g(x_t) + v_t``, ``v_t ~ N(0, R)``. ``f`` and ``g`` are callables batched over the leading
+:math:`x_0 \sim \mathcal N(\mathrm{init\_mean}, \mathrm{init\_cov})`, :math:`x_{t+1} = f(x_t) + w_t`, :math:`w_t \sim \mathcal N(0, Q)`,
+:math:`y_t = g(x_t) + v_t`, :math:`v_t \sim \mathcal N(0, R)`. ``f`` and ``g`` are callables batched over the leading
 dims of ``x``, or :class:`pyro_smc.gp.MultiOutputGP` posteriors, whose predictive variance is added
 to the noise covariance.
 
@@ -285,16 +285,16 @@ class NonlinearGaussianSSM(PyroModule):
         return fn(x, t), None
 
     def transition_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
-        """Mean of ``x_{t+1}`` given ``x_t = x`` ``(..., d)`` and the GP predictive variance (or ``None``)."""
+        """Mean of :math:`x_{t+1}` given :math:`x_t = x` ``(..., d)`` and the GP predictive variance (or ``None``)."""
         return self._evaluate(self.transition_fn, x, t)
 
     def observation_mean_var(self, x: Tensor, t: int) -> tuple[Tensor, Tensor | None]:
-        """Mean of ``y_t`` given ``x_t = x`` ``(..., e)`` and the GP predictive variance (or ``None``)."""
+        """Mean of :math:`y_t` given :math:`x_t = x` ``(..., e)`` and the GP predictive variance (or ``None``)."""
         return self._evaluate(self.observation_fn, x, t)
 
     # --- the SMC protocol -------------------------------------------------------------------
     def init(self, state: dict) -> None:
-        """Starts a new sequence; the first :meth:`step` samples ``x_0`` from the prior."""
+        """Starts a new sequence; the first :meth:`step` samples :math:`x_0` from the prior."""
         self._t = 0
 
     @staticmethod
@@ -304,7 +304,7 @@ class NonlinearGaussianSSM(PyroModule):
         return dist.MultivariateNormal(mean, covariance_matrix=cov + torch.diag_embed(var))
 
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:
-        """Samples ``x_t`` (from the prior at ``t = 0``) and observes ``y_t``."""
+        """Samples :math:`x_t` (from the prior at :math:`t = 0`) and observes :math:`y_t`."""
         t = self._t
         if "x" in state:
             mean, var = self.transition_mean_var(state["x"], t - 1)

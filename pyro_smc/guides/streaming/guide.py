@@ -2,7 +2,7 @@ r"""``StreamingFilterGuide``: the backward-factorised family in its two roles.
 
 See ``docs/math/streaming.md#backward-factorised-variational-family``.
 
-    q_t(x_{1:t}) = q_t(x_t) prod_{k < t} q_{k+1}(x_k | x_{k+1})
+    :math:`q_t(x_{1:t}) = q_t(x_t) \prod_{k < t} q_{k+1}(x_k \mid x_{k+1})`
 
 The family itself (a Gaussian filtering marginal and Gaussian backward kernels, with ``set_*``,
 :meth:`~StreamingFamily.freeze` and :meth:`~StreamingFamily.marginals`) is
@@ -17,7 +17,7 @@ family plus the behaviour of a whole-trajectory Pyro guide, and so serves two ro
   sequence. Its ``forward(*args)`` samples the last latent site from the marginal and every
   earlier one backward through its own kernel, so ``SVI`` fits a Gaussian smoother. It finds the
   model's latent sites by tracing it once, as ``AutoGuide`` does; without ``num_steps`` it sizes
-  its ``T - 1`` kernels from that trace (the MLP, when used, is shared across steps).
+  its :math:`T - 1` kernels from that trace (the MLP, when used, is shared across steps).
 
 Example:
     >>> import torch, pyro
@@ -65,19 +65,19 @@ class StreamingFilterGuide(StreamingFamily):
     """The backward-factorised Gaussian family, usable online (per step) or as a whole-trajectory guide.
 
     Args:
-        state_dim: ``d``, the size of each latent state ``x_t``.
+        state_dim: ``d``, the size of each latent state :math:`x_t`.
         model: the whole-trajectory model; needed only in the offline role (as a Pyro guide).
-        num_steps: ``T`` for the offline role (``T - 1`` kernels); ``None`` keeps one kernel (the
+        num_steps: ``T`` for the offline role (:math:`T - 1` kernels); ``None`` keeps one kernel (the
             online role) until the guide is first called as a Pyro guide, which sizes it from
             the model's trace.
         covariance: ``"diag"`` or ``"full"``: the covariance of the marginal and of each kernel.
-        backward: ``"linear"`` (mean linear in ``x_{t}``) or ``"mlp"`` (plus an MLP of ``x_t``).
+        backward: ``"linear"`` (mean linear in :math:`x_{t}`) or ``"mlp"`` (plus an MLP of :math:`x_t`).
         hidden_dims: hidden layer sizes of the backward MLP.
         init_scale: initial standard deviation of the marginal and the kernels.
 
     Parameters (fixed names, no growth over time) are those of
-    :class:`~pyro_smc.guides.streaming.family.StreamingFamily` with ``K = T - 1`` offline and
-    ``K = 1`` online, prefixed ``StreamingFilterGuide``.
+    :class:`~pyro_smc.guides.streaming.family.StreamingFamily` with :math:`K = T - 1` offline and
+    :math:`K = 1` online, prefixed ``StreamingFilterGuide``.
 
     Called as a Pyro guide it returns ``{site name: value (d,)}`` for every latent site of the
     model (see :meth:`forward`).

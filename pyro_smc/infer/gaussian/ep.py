@@ -336,8 +336,8 @@ class EPSmoother:
         return None
 
     def _with_implicit_gradient(self, fixed_point: FixedPointMap, run: EPRun) -> tuple:
-        """The run's (means, covariances, evidence terms) carrying the gradient of the fixed point
-        ``theta = F(theta)`` of the schedule's map, with the outputs recomputed from the
+        r"""The run's (means, covariances, evidence terms) carrying the gradient of the fixed point
+        :math:`\theta = F(\theta)` of the schedule's map, with the outputs recomputed from the
         differentiable fixed point ``z``. The values themselves stay those of the iteration."""
         values = (run.means, run.covariances, run.increments)
         error = lambda: self._fixed_point_error(run, fixed_point.skipped)  # noqa: E731

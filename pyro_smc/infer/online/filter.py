@@ -4,8 +4,8 @@ See ``docs/math/streaming.md#value-function-and-elbo`` and
 ``docs/math/streaming.md#per-step-elbo-increment``.
 
 The variational smoothing distribution is backward-factorised (:class:`~pyro_smc.guides.StreamingFilterGuide`),
-``q_t(x_{1:t}) = q_t(x_t) prod_k q_{k+1}(x_k | x_{k+1})``, and at time ``t`` only the current
-marginal and kernel ``phi_t`` are fitted (Campbell, Shi, Rainforth and
+:math:`q_t(x_{1:t}) = q_t(x_t) \prod_k q_{k+1}(x_k \mid x_{k+1})`, and at time ``t`` only the current
+marginal and kernel :math:`\phi_t` are fitted (Campbell, Shi, Rainforth and
 Doucet, 2021). One :meth:`OnlineVariationalFilter.step` reads as its equations::
 
     delta(x_{t-1}, x_t) = log q_{t-1}(x_{t-1}) + log f(x_t | x_{t-1}) + log g(y_t | x_t)
@@ -14,9 +14,9 @@ Doucet, 2021). One :meth:`OnlineVariationalFilter.step` reads as its equations::
     U_t     = regress  x_t  ->  U_{t-1}(x_{t-1}) + delta           (U_t approximates V_t - log q_t)
     L_t     = E[ U_{t-1}(x_{t-1}) + delta ]                          (log_evidence, the running ELBO)
 
-``U_t = V_t - log q_t`` is regressed rather than the value function ``V_t`` itself because it is
-nearly constant (exactly ``log p(y_{1:t})`` when every ``q`` is exact), which is easy to fit.
-At ``t = 0`` the increment is ``log mu(x_0) + log g(y_0 | x_0) - log q_0(x_0)``.
+:math:`U_t = V_t - \log q_t` is regressed rather than the value function :math:`V_t` itself because it is
+nearly constant (exactly :math:`\log p(y_{1:t})` when every ``q`` is exact), which is easy to fit.
+At :math:`t = 0` the increment is :math:`\log \mu(x_0) + \log g(y_0 \mid x_0) - \log q_0(x_0)`.
 
 The parts, one module each: the step's fixed inputs and model runs
 (:mod:`~pyro_smc.infer.online.context`), where the optimisation starts
@@ -91,7 +91,7 @@ step early enough to cost accuracy (its joint KL to Kalman 0.256 against 0.25 at
 
 
 class OnlineVariationalFilter:
-    """Streaming variational filter, smoother and parameter learner (constant cost per step).
+    r"""Streaming variational filter, smoother and parameter learner (constant cost per step).
 
     Args:
         model: an ``init``/``step`` model as :class:`~pyro_smc.SMC` runs it (a ``PyroModule``
@@ -100,7 +100,7 @@ class OnlineVariationalFilter:
             (``StreamingFilterGuide(d)``, no ``num_steps``), or a
             :class:`~pyro_smc.guides.StreamingFamily` with one kernel.
         num_samples: Monte Carlo samples per optimisation iteration.
-        num_iterations: Adam iterations on ``phi_t`` per observation (0: use the guide as it is),
+        num_iterations: Adam iterations on :math:`\phi_t` per observation (0: use the guide as it is),
             at most: see ``tol``.
         tol: the per-step stopping rule (default ``None``: always run ``num_iterations``; try
             ``1e-3`` in low dimensions, see ``TOL_DEFAULT``): a step's optimisation stops once the mean objective of its last 10
@@ -109,10 +109,10 @@ class OnlineVariationalFilter:
             them when ``num_iterations <= 20``). The Monte Carlo objective is noisy, so near the
             optimum (e.g. from the exact Laplace start of a linear-Gaussian model) a step stops
             after about 20 iterations; the iterations each step ran are in ``result.iterations``.
-        lr: Adam learning rate for ``phi_t`` in the whitened units of the step's start (decayed
+        lr: Adam learning rate for :math:`\phi_t` in the whitened units of the step's start (decayed
             tenfold over each step's iterations): an iteration moves the marginal's and the
             kernel's means by about ``lr`` of their standard deviations in any direction and
-            their scales by a factor of about ``e^lr`` (``StepFrame`` in
+            their scales by a factor of about :math:`e^{\mathrm{lr}}` (``StepFrame`` in
             ``pyro_smc.guides.streaming.frame``), whatever the units and the orientation of the
             state.
         initial_lr: the rate at the first step (default ``10 * lr``).
@@ -121,27 +121,27 @@ class OnlineVariationalFilter:
         num_regression_samples: samples per regression fit (and in the carried state batch).
         window: number of past backward kernels kept for lagged smoothing samples.
         initialize: how each step's optimisation starts (``pyro_smc.infer.online.start``).
-            ``"laplace"``: ``q_t`` at the Laplace approximation of the model's one-step prediction
-            from ``q_{t-1}`` times ``g(y_t | x_t)``, and the kernel at the linear regression of
-            ``x_{t-1}`` on ``x_t`` under the prediction (both exact for linear-Gaussian models up
+            ``"laplace"``: :math:`q_t` at the Laplace approximation of the model's one-step prediction
+            from :math:`q_{t-1}` times :math:`g(y_t \mid x_t)`, and the kernel at the linear regression of
+            :math:`x_{t-1}` on :math:`x_t` under the prediction (both exact for linear-Gaussian models up
             to Monte Carlo error); ``"predict"``: the same without the Newton steps;
             ``"previous"``: the guide's current parameters.
         learn_parameters: update the model's parameters online.
-        parameter_lr: ``eta_0`` of the Robbins-Monro schedule, or a callable ``t -> eta_t``.
+        parameter_lr: :math:`\eta_0` of the Robbins-Monro schedule, or a callable :math:`t \mapsto \eta_t`.
         state_key: the ``state`` entry holding the latent (found automatically when ``None``).
         progress_bar: a tqdm bar in :meth:`run`: ``None`` (default) in interactive use only,
             ``True`` always, ``False`` never (:mod:`pyro_smc.progress`).
 
     Attributes:
         t: the number of observations assimilated since :meth:`init`.
-        log_evidence: the running ELBO ``L_t``, a Monte Carlo estimate of a lower bound on
-            ``log p(y_{1:t})`` (scalar tensor). ``elbo`` is the same number.
-        log_evidence_standard_error: its Monte Carlo standard error, ``sqrt(sum_t s_t^2 / N)``
-            with ``s_t`` the sd of step ``t``'s ``N`` regression targets: each step's mean adds
-            its own error, and the regression ``U_{t-1}`` carries the earlier ones (exactly so
-            while each kernel's draws lie where ``U_{t-1}`` was fitted, which the filter checks).
-        log_evidence_increment: ``L_t - L_{t-1}``.
-        last_increments: the last step's per-sample increments ``delta`` ``(N,)``.
+        log_evidence: the running ELBO :math:`L_t`, a Monte Carlo estimate of a lower bound on
+            :math:`\log p(y_{1:t})` (scalar tensor). ``elbo`` is the same number.
+        log_evidence_standard_error: its Monte Carlo standard error, :math:`\sqrt{\sum_t s_t^2 / N}`
+            with :math:`s_t` the sd of step ``t``'s ``N`` regression targets: each step's mean adds
+            its own error, and the regression :math:`U_{t-1}` carries the earlier ones (exactly so
+            while each kernel's draws lie where :math:`U_{t-1}` was fitted, which the filter checks).
+        log_evidence_increment: :math:`L_t - L_{t-1}`.
+        last_increments: the last step's per-sample increments :math:`\delta` ``(N,)``.
         unreliable_steps: the steps whose kernel extrapolated the value regression (see
             :class:`~pyro_smc.infer.OnlineFilterWarning`, emitted at the first); ``log_evidence``
             is unreliable from the first of them on.
@@ -239,7 +239,7 @@ class OnlineVariationalFilter:
         return self
 
     def step(self, y: Tensor | None, *args, **kwargs) -> OnlineVariationalFilter:
-        """Assimilates one observation ``y_t``: fits ``phi_t``, refits the regressors and, with
+        r"""Assimilates one observation :math:`y_t`: fits :math:`\phi_t`, refits the regressors and, with
         ``learn_parameters``, updates the model's parameters.
 
         Args:
@@ -324,8 +324,8 @@ class OnlineVariationalFilter:
 
     @property
     def log_evidence_gradient(self) -> dict[str, Tensor]:
-        """With ``learn_parameters``, the online estimate of ``grad_theta log p(y_{1:t})``:
-        Fisher's identity, the mean under ``q_t`` of the regressed score ``S_t``, per parameter
+        r"""With ``learn_parameters``, the online estimate of :math:`\nabla_\theta \log p(y_{1:t})`:
+        Fisher's identity, the mean under :math:`q_t` of the regressed score :math:`S_t`, per parameter
         name, with respect to its unconstrained value (detached). Empty before the first update,
         and after a step that first reads a parameter (the recursion then restarts)."""
         return self._learner.gradient()
@@ -336,14 +336,14 @@ class OnlineVariationalFilter:
         return self.log_evidence
 
     def filtering_distribution(self):
-        """The (frozen) filtering marginal ``q_t(x_t)`` after the last step, event shape ``(d,)``."""
+        """The (frozen) filtering marginal :math:`q_t(x_t)` after the last step, event shape ``(d,)``."""
         if self._previous is None:
             raise RuntimeError("no observation has been assimilated yet; call step(y) first")
         return self._previous
 
     def smoothing_samples(self, num_samples: int, lag: int | None = None) -> Tensor:
-        """Samples of ``(x_{t-lag}, ..., x_t)`` from the variational smoother, ``(num_samples, lag + 1, d)``:
-        ``x_t`` from the filtering marginal, then backward through the stored kernels.
+        r"""Samples of :math:`(x_{t-\mathrm{lag}}, \dots, x_t)` from the variational smoother, ``(num_samples, lag + 1, d)``:
+        :math:`x_t` from the filtering marginal, then backward through the stored kernels.
 
         Args:
             num_samples: an int >= 1.
