@@ -288,7 +288,7 @@ _LITERAL_PREFIXES = {"dist.": "pyro.distributions.", "poutine.": "pyro.poutine."
 def _literal_targets() -> dict[str, str]:
     """``{text of an inline literal: the name it links to}``."""
     targets: dict[str, str] = {}
-    short: dict[str, set[str]] = {}
+    bare: dict[str, dict[str, str]] = {}  # a class's bare name -> {its page and anchor: full name}
     for line in (DOCS / "_inventories" / "objects.txt").read_text().splitlines():
         parts = line.split()
         if len(parts) != 4 or line.startswith("#") or parts[0] not in {"torch", "pyro"}:
@@ -298,12 +298,10 @@ def _literal_targets() -> dict[str, str]:
             continue  # the bare word "pyro" is the project, not a link
         targets[name] = name
         if role in {"py:class", "py:exception"} and not name.startswith(("pyro.distributions", "torch.")):
-            short.setdefault(name.rsplit(".", 1)[-1], set()).add(uri)
-            targets.setdefault("short:" + name.rsplit(".", 1)[-1], name)
-    for bare, uris in short.items():
-        full = targets.pop("short:" + bare)
-        if len(uris) == 1:
-            targets.setdefault(bare, full)
+            bare.setdefault(name.rsplit(".", 1)[-1], {}).setdefault(uri, name)
+    for short, by_uri in bare.items():
+        if len(by_uri) == 1:  # one object under several names is still unambiguous
+            targets.setdefault(short, next(iter(by_uri.values())))
     for module in PUBLIC_MODULES:
         for attr in getattr(importlib.import_module(module), "__all__", []):
             targets.setdefault(attr, f"{module}.{attr}")

@@ -7,20 +7,9 @@ scored on its observed entries, an ``inf`` is an error); a NaN in any other argu
 :mod:`~pyro_smc.infer.smc.trace_checks`.
 
 Example:
-    >>> check_settings(
-    ...     num_particles=100,
-    ...     num_filters=1,
-    ...     max_plate_nesting=0,
-    ...     ess_threshold=0.5,
-    ...     resampler=None,
-    ... )
-    >>> check_settings(
-    ...     num_particles=0,
-    ...     num_filters=1,
-    ...     max_plate_nesting=0,
-    ...     ess_threshold=0.5,
-    ...     resampler=None,
-    ... )
+    >>> rest = dict(num_filters=1, max_plate_nesting=0, ess_threshold=0.5, resampler=None)
+    >>> check_settings(num_particles=100, **rest)
+    >>> check_settings(num_particles=0, **rest)
     Traceback (most recent call last):
         ...
     ValueError: num_particles must be an integer >= 1, got 0
