@@ -33,6 +33,9 @@ construction, ``pyro.sample``, plates, trace), the site log-densities, the centr
 of the weights, recording (ESS, means, histories) and resampling. The timers add about a microsecond
 per stage.
 
+Profile of the compiled step (recording kept, N = 100 and 1000): the recording's call, the
+resampling of replayed steps, the engine's Python around them, and the run's fixed cost.
+
 Goals (issue 28): ``SMC`` at B = 1 at most 1.0x ``particles`` at N = 1000 and at most 1.3x the
 hand-written floor at every N; ahead of ``particles`` (per filter) from 10 filters on.
 
@@ -61,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks._common import add_common_args, f2, print_table, progress, ratio, setup, slash, timeit_interleaved, write_results, yn
 from pyro_smc import SMC
 from pyro_smc.infer.smc import advance as advance_module
+from pyro_smc.infer.smc import compiled as compiled_module
 from pyro_smc.infer.smc import engine as engine_module
 from pyro_smc.infer.smc import step as step_module
 
@@ -192,6 +196,49 @@ def profile_steps(ys: torch.Tensor, n: int, repeats: int) -> dict:
     return us
 
 
+def profile_compiled(ys: torch.Tensor, n: int, repeats: int) -> dict:
+    """Microseconds per step of a compiled run with a kept recording (as in an SVI loop): the
+    recording's call (the replay), the resampling of replayed steps, the engine's Python around
+    them, and the run's fixed cost (``init`` and the verifying step on the handlers)."""
+    totals = collections.Counter()
+    patched = []
+
+    def timed(owner, name, label):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                totals[label] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+        patched.append((owner, name, original))
+
+    timed(compiled_module, "execute", "replay (the recording's call)")
+    timed(advance_module, "_resample_replayed", "resampling (replayed steps)")
+    timed(step_module.StepProgram, "propose", "the program on the handlers (init, the verifying step)")
+    timed(engine_module.SMC, "_advance", "whole step")
+    model = SV()
+    try:
+        SMC(model, num_particles=n).run(ys)  # records; the runs below reuse it
+        totals.clear()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            SMC(model, num_particles=n).run(ys)
+        wall = time.perf_counter() - start
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+    steps = repeats * len(ys)
+    us = {label: 1e6 * value / steps for label, value in totals.items()}
+    us["engine Python around them"] = us["whole step"] - sum(v for k, v in us.items() if k != "whole step")
+    us["run() outside the steps"] = 1e6 * wall / steps - us["whole step"]
+    return us
+
+
 def summary_cells(d: dict) -> dict:
     """This benchmark's row in the summary table of ``benchmarks/README.md`` (see ``_common.summary_record``)."""
     single = {(r["N"], r["T"]): r for r in d["single"]}
@@ -296,6 +343,15 @@ def main():
     print_table(["stage", "us / step", "share of a step"], [[k, prof[k], f"{100 * prof[k] / prof['whole step']:.0f}%"] for k in order],
                 title=f"Where one SMC step goes on Pyro's handlers (compile=False, N = 1000, T = {T}, B = 1, validation on)")
 
+    compiled_profiles = {}
+    for n in sizes[:2]:
+        compiled_profiles[n] = profile_compiled(ys, n, repeats)
+    order = ["replay (the recording's call)", "resampling (replayed steps)", "the program on the handlers (init, the verifying step)",
+             "engine Python around them", "run() outside the steps"]
+    print_table(["stage"] + [f"N = {n} us / step" for n in compiled_profiles],
+                [[k] + [compiled_profiles[n][k] for n in compiled_profiles] for k in order],
+                title=f"Where a compiled step goes (recording kept, T = {T}, B = 1, per step of the run)")
+
     write_results(
         "particles_speed",
         {
@@ -307,6 +363,7 @@ def main():
             "log_evidence_check": {"N": n_check, "T": T, "runs": runs, "ours_mean": m_ours, "ours_se": se_ours,
                                    "particles_mean": m_theirs, "particles_se": se_theirs, "z": z, "agree": z < 5},
             "profile_us_per_step": prof,
+            "profile_compiled_us_per_step": {str(n): v for n, v in compiled_profiles.items()},
         },
         dtype=torch.float64,
         summary=summary_cells,

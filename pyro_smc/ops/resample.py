@@ -24,13 +24,19 @@ Reference:
 from __future__ import annotations
 
 import math
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from pyro_smc.ops.weights import check_log_weights
 
-__all__ = ["multinomial", "stratified", "systematic", "inverse_cdf", "weighted_quantiles", "stop_gradient_log_weights", "log_mixture_density", "kernel_mixture_log_density"]
+__all__ = ["SCHEMES", "resample_where", "multinomial", "stratified", "systematic", "inverse_cdf", "weighted_quantiles", "stop_gradient_log_weights", "log_mixture_density", "kernel_mixture_log_density"]
+
+
+# Below this many weights the binary search of inverse_cdf is the faster systematic resampler
+# (fewer kernel launches); measured on a CPU, N = 100 (B = 1) vs N = 1000.
+_SEARCH_BELOW = 400
 
 
 def inverse_cdf(log_weights: Tensor, uniforms: Tensor) -> Tensor:
@@ -106,10 +112,14 @@ def multinomial(log_weights: Tensor, generator: torch.Generator | None = None) -
         [[0, 0], [1, 1]]
     """
     check_log_weights(log_weights)
-    n = log_weights.shape[-1]
-    probs = torch.exp(log_weights.detach()).reshape(-1, n)
-    index = torch.multinomial(probs, n, replacement=True, generator=generator)
-    return index.reshape(log_weights.shape)
+    return _multinomial(log_weights.detach(), generator)
+
+
+def _multinomial(lw: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    # The draw of multinomial() without its check: TorchScript compiles it (resample_where).
+    n = lw.shape[-1]
+    index = torch.multinomial(torch.exp(lw).reshape(-1, n), n, replacement=True, generator=generator)
+    return index.reshape(lw.shape)
 
 
 def stratified(log_weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -127,7 +137,10 @@ def stratified(log_weights: Tensor, generator: torch.Generator | None = None) ->
         torch.Size([5, 4])
     """
     check_log_weights(log_weights)
-    lw = log_weights.detach()
+    return _stratified(log_weights.detach(), generator)
+
+
+def _stratified(lw: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
     n = lw.shape[-1]
     u = torch.rand(lw.shape, dtype=lw.dtype, device=lw.device, generator=generator)
     grid = torch.arange(n, dtype=lw.dtype, device=lw.device)
@@ -151,10 +164,15 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
         [2, 1, 1, 0]
     """
     check_log_weights(log_weights)
-    lw = log_weights.detach()
+    return _systematic(log_weights.detach(), generator, _SEARCH_BELOW)
+
+
+def _systematic(lw: Tensor, generator: Optional[torch.Generator], search_below: int) -> Tensor:
+    # The draw of systematic() without its check (TorchScript reads no module global: the
+    # threshold comes in).
     n = lw.shape[-1]
-    u = torch.rand(lw.shape[:-1] + (1,), dtype=lw.dtype, device=lw.device, generator=generator)
-    if lw.numel() < _SEARCH_BELOW:
+    u = torch.rand(list(lw.shape[:-1]) + [1], dtype=lw.dtype, device=lw.device, generator=generator)
+    if lw.numel() < search_below:
         grid = torch.arange(n, dtype=lw.dtype, device=lw.device)
         return inverse_cdf(lw, (grid + u) / n)
     # The points (i + u) / N are evenly spaced, so the number of them below each cumulative
@@ -163,15 +181,10 @@ def systematic(log_weights: Tensor, generator: torch.Generator | None = None) ->
     # Same ancestors as inverse_cdf; 2x faster at (1, 1000), 10x at (32, 1000) on a CPU.
     cdf = torch.cumsum(torch.exp(lw), dim=-1)
     below = (cdf * n - u).ceil_().clamp_(0, n).long()
-    marks = torch.zeros(lw.shape[:-1] + (n + 1,), dtype=torch.long, device=lw.device)
+    marks = torch.zeros(list(lw.shape[:-1]) + [n + 1], dtype=torch.long, device=lw.device)
     marks.scatter_add_(-1, below, torch.ones_like(below))
     # As in inverse_cdf: the last cumulative weight can round below 1; no index falls off the end.
     return marks.cumsum(-1)[..., :n].clamp_(max=n - 1)
-
-
-# Below this many weights the binary search of inverse_cdf is the faster systematic resampler
-# (fewer kernel launches); measured on a CPU, N = 100 (B = 1) vs N = 1000.
-_SEARCH_BELOW = 400
 
 
 def stop_gradient_log_weights(log_weights: Tensor, index: Tensor) -> Tensor:
@@ -200,6 +213,76 @@ def stop_gradient_log_weights(log_weights: Tensor, index: Tensor) -> Tensor:
     delta = chosen - chosen.detach()
     delta = torch.where(torch.isfinite(chosen), delta, torch.zeros_like(delta))
     return delta - math.log(log_weights.shape[-1])
+
+
+#: The index schemes :func:`resample_where` draws by, and their codes.
+SCHEMES = {"systematic": 0, "stratified": 1, "multinomial": 2}
+
+
+def resample_where(
+    need: Tensor, every: bool, log_weights: Tensor, particles: List[Tensor], scheme: int, stop_gradient: bool, search_below: int = 400
+) -> Tuple[List[Tensor], Tensor]:
+    """Index resampling of the filters ``need`` in tensor operations alone: a replayed step of
+    ``SMC`` resamples by it without the Python of a resampler call and its checks
+    (``docs/engines/smc.md#the-compiled-step``).
+
+    The same draws, in the same order, as the engine's ``maybe_resample`` with an
+    :class:`~pyro_smc.resamplers.IndexResampler`: all filters at once when all need it, else
+    the sub-batch ``need`` alone. No check: the caller has checked the weights (finite
+    normalisers) and that some filter needs resampling.
+
+    Args:
+        need: bool ``(B,)``, the filters to resample (at least one).
+        every: ``need.all()``, as the caller read it.
+        log_weights: normalised ``(B, N)``.
+        particles: tensors ``(B, N, *event)`` (labels may be floats: they are copied).
+        scheme: ``SCHEMES[name]``.
+        stop_gradient: new log-weights by :func:`stop_gradient_log_weights`, else ``-log N``.
+        search_below: systematic resampling searches below this many weights (``_SEARCH_BELOW``).
+
+    Returns:
+        The particles and the log-weights after resampling.
+
+    Example:
+        >>> lw = torch.tensor([[0.0, -float("inf")]])
+        >>> new, new_lw = resample_where(
+        ...     torch.tensor([True]), True, lw, [torch.tensor([[1.0, 2.0]])], 0, False
+        ... )
+        >>> new[0].tolist(), new_lw.exp().tolist()
+        ([[1.0, 1.0]], [[0.5, 0.5]])
+    """
+    if every:
+        index = _ancestors(log_weights.detach(), scheme, search_below)
+        return [_gather(value, index) for value in particles], _new_log_weights(log_weights, index, stop_gradient)
+    rows = need.nonzero().squeeze(-1)
+    some = log_weights[rows]
+    index = _ancestors(some.detach(), scheme, search_below)
+    new = [value.index_put([rows], _gather(value[rows], index)) for value in particles]
+    return new, log_weights.index_put([rows], _new_log_weights(some, index, stop_gradient))
+
+
+def _ancestors(lw: Tensor, scheme: int, search_below: int) -> Tensor:
+    if scheme == 0:
+        return _systematic(lw, None, search_below)
+    if scheme == 1:
+        return _stratified(lw, None)
+    return _multinomial(lw, None)
+
+
+def _new_log_weights(log_weights: Tensor, index: Tensor, stop_gradient: bool) -> Tensor:
+    if stop_gradient:
+        return stop_gradient_log_weights(log_weights, index)
+    return torch.full_like(log_weights, -math.log(log_weights.shape[-1]))
+
+
+def _gather(value: Tensor, index: Tensor) -> Tensor:
+    # resamplers.base.gather for one tensor, in TorchScript's terms.
+    dim = index.dim()
+    if value.dim() == dim:
+        return value.gather(dim - 1, index)
+    shape = list(index.shape)
+    full = index.reshape(shape + [1] * (value.dim() - dim)).expand(shape + list(value.shape[dim:]))
+    return value.gather(dim - 1, full)
 
 
 def log_mixture_density(log_weights: Tensor, log_kernel: Tensor) -> Tensor:

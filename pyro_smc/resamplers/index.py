@@ -25,7 +25,7 @@ from torch import Tensor
 from pyro_smc.ops import resample as schemes
 from pyro_smc.resamplers.base import GradientEstimator, Particles, Resampled, Resampler, check_particles, gather
 
-__all__ = ["INDEX_GRADIENT_MODES", "IndexResampler", "MultinomialResampler", "StratifiedResampler", "SystematicResampler"]
+__all__ = ["INDEX_GRADIENT_MODES", "IndexResampler", "index_scheme", "MultinomialResampler", "StratifiedResampler", "SystematicResampler"]
 
 #: The ``gradient=`` modes of the index resamplers, each naming the SMC gradient estimator.
 INDEX_GRADIENT_MODES = ("detach", "stop_gradient", "marginal_stop_gradient")
@@ -126,6 +126,26 @@ class IndexResampler(Resampler):
         return Resampled(gather(particles, index), torch.full_like(log_weights, -math.log(log_weights.shape[-1])), index)
 
 
+def index_scheme(resampler: object) -> tuple[int, bool, int] | None:
+    """How a replayed step of :class:`~pyro_smc.SMC` may resample without calling ``resampler``,
+    by :func:`~pyro_smc.ops.resample.resample_where`: ``(scheme code, stop_gradient, search
+    threshold)`` for the three index resamplers of this module as they are (``gradient=`` of
+    ``"detach"`` or ``"stop_gradient"``; no subclass's own ``resample``); ``None`` for any other
+    resampler, which the engine calls.
+
+    Example:
+        >>> from pyro_smc.resamplers import OTResampler, SystematicResampler
+        >>> index_scheme(SystematicResampler()), index_scheme(OTResampler())
+        ((0, False, 400), None)
+    """
+    if not isinstance(resampler, IndexResampler) or type(resampler).resample is not IndexResampler.resample:
+        return None
+    code = _SCHEME_CODES.get(resampler.scheme)
+    if code is None or resampler.gradient not in ("detach", "stop_gradient"):
+        return None
+    return code, resampler.gradient == "stop_gradient", schemes._SEARCH_BELOW
+
+
 class MultinomialResampler(IndexResampler):
     r"""Multinomial resampling: ancestors drawn i.i.d. from the weights.
 
@@ -212,3 +232,10 @@ class SystematicResampler(IndexResampler):
     """
 
     scheme = staticmethod(schemes.systematic)
+
+
+_SCHEME_CODES = {
+    schemes.systematic: schemes.SCHEMES["systematic"],
+    schemes.stratified: schemes.SCHEMES["stratified"],
+    schemes.multinomial: schemes.SCHEMES["multinomial"],
+}

@@ -206,3 +206,36 @@ def test_weighted_quantiles_equal_the_order_statistics_of_the_repeated_sample():
             n = len(sample)
             expected = sample[(probs.double() * n).floor().long()]
             assert torch.equal(q[:, b, e], expected)
+
+
+@pytest.mark.parametrize("n", [50, 500], ids=["search", "counting"])
+@pytest.mark.parametrize("stop_gradient", [False, True], ids=["detach", "stop_gradient"])
+@pytest.mark.parametrize("name", list(resample.SCHEMES))
+@pytest.mark.parametrize("need", [[True, True, True], [False, True, False], [True, False, True]], ids=["all", "one", "two"])
+def test_resample_where_draws_and_copies_as_the_scheme_on_the_rows_that_need_it(name, need, stop_gradient, n):
+    # The engine's maybe_resample resamples the rows that need it as one sub-batch by the scheme;
+    # resample_where must draw the same ancestors from the same random stream and give the same
+    # particles (every event shape and dtype) and log-weights, bit for bit.
+    scheme = getattr(resample, name)
+    need = torch.tensor(need)
+    log_w = torch.randn(3, n, dtype=torch.float64).log_softmax(-1).requires_grad_()
+    particles = [torch.randn(3, n, 2, 3, dtype=torch.float64), torch.randint(0, 2, (3, n)).double(), torch.randint(0, 5, (3, n))]
+    rows = need.nonzero().squeeze(-1)
+    torch.manual_seed(7)
+    index = scheme(log_w[rows])
+    expected_lw = log_w.index_put((rows,), resample.stop_gradient_log_weights(log_w[rows], index) if stop_gradient else torch.full_like(log_w[rows], -math.log(n)))
+    expected = []
+    for value in particles:
+        idx = index.reshape(index.shape + (1,) * (value.dim() - 2)).expand(index.shape + value.shape[2:])
+        expected.append(value.index_put((rows,), value[rows].gather(1, idx)))
+    after = torch.rand(())
+    torch.manual_seed(7)
+    new, new_lw = resample.resample_where(need, bool(need.all()), log_w, particles, resample.SCHEMES[name], stop_gradient, resample._SEARCH_BELOW)
+    assert torch.equal(torch.rand(()), after)  # the same draws consumed
+    for got, want in zip(new, expected):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert torch.equal(new_lw, expected_lw)
+    if stop_gradient:
+        (grad,) = torch.autograd.grad(new_lw[need].sum(), log_w)
+        (want,) = torch.autograd.grad(expected_lw[need].sum(), log_w)
+        assert torch.equal(grad, want) and grad.abs().sum() > 0

@@ -29,7 +29,9 @@ from pyro_smc.infer.smc.scores import marginal_scores
 from pyro_smc.infer.smc.state import ParticleWeights, SMCState
 from pyro_smc.infer.smc.step import StepInputs, StepProgram, maybe_resample, summarise, weigh
 from pyro_smc.infer.smc.trace_checks import TraceChecks
+from pyro_smc.ops.resample import resample_where
 from pyro_smc.resamplers import GradientEstimator, estimator_of
+from pyro_smc.resamplers.index import index_scheme
 
 __all__ = ["StepOutcome", "StepSettings", "advance"]
 
@@ -164,7 +166,14 @@ def finish(
     weighted = (dict(state), weights.log_weights)
     if history is not None:
         smoothing.record_weighted(history, state, weights.log_weights, layout)
-    weights, resampling = maybe_resample(state, weights, need, settings.resampler, discrete_keys, layout, inputs.where, flags, settings.report)
+    scheme = index_scheme(settings.resampler) if recorded is not None and state else None
+    if scheme is not None:
+        # A replayed step with an index resampler: no resampler call (flags: read with the step).
+        resampling = None
+        if flags[0]:
+            weights = _resample_replayed(state, weights, need, flags[1], scheme, layout)
+    else:
+        weights, resampling = maybe_resample(state, weights, need, settings.resampler, discrete_keys, layout, inputs.where, flags, settings.report)
     if history is not None and resampling is not None:
         smoothing.record_resampling(history, need, resampling.ancestors, layout)
     if inputs.t is None:
@@ -181,6 +190,18 @@ def finish(
         resampler_converged=None if resampling is None else resampling.converged,
     )
     return StepOutcome(weights, ess, weighted, record, history)
+
+
+def _resample_replayed(state: SMCState, weights: ParticleWeights, need: Tensor, every: bool, scheme: tuple, layout: ParticleLayout) -> ParticleWeights:
+    """:func:`~pyro_smc.infer.smc.step.maybe_resample` of a replayed step with an index
+    resampler: the same draws and copies, without the resampler's Python and its checks (the
+    replay checked the normalisers; labels are copied as they are, which is what their integer
+    round trip does)."""
+    code, stop_gradient, search_below = scheme
+    batched = [layout.batched_particles(value) for value in state.values()]
+    new, log_weights = resample_where(need, every, weights.log_weights, batched, code, stop_gradient, search_below)
+    state.replace({key: value.squeeze(0) if layout.num_filters == 1 else value for key, value in zip(state, new)})
+    return weights._replace(log_weights=log_weights)
 
 
 def _any_tensor(state: SMCState) -> Tensor | None:

@@ -37,6 +37,11 @@ particle with every parent), and a program the checks above reject. The stop-gra
 (``gradient="stop_gradient"``) is: its score terms are part of the recording. A fallback is silent with ``compile=None`` (the default) and
 warns once with ``compile=True``; either way :attr:`CompiledStep.reason` and the ``pyro_smc``
 logger say why.
+
+The recording is simplified once and each call run by the fastest executor that gives the same
+values (:mod:`~pyro_smc.infer.smc.replay`); a replayed step with an index resampler resamples
+in tensor operations alone (:func:`~pyro_smc.ops.resample.resample_where`, called by
+:mod:`~pyro_smc.infer.smc.advance`).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from torch import Tensor
 
 from pyro_smc.infer.model_state import rng_state, set_rng_state
 from pyro_smc.infer.smc.importance import centred_increment, log_weight_terms, score_terms
+from pyro_smc.infer.smc.replay import cheap_rng_state, execute, simplified
 from pyro_smc.infer.smc.state import SMCState
 from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram, moments
 from pyro_smc.infer.smc.static_checks import (
@@ -193,7 +199,8 @@ class CompiledStep:
         # The weights' requires_grad is left out: it flips with resampling, and a recording
         # serves both (the executor's autograd follows its inputs).
         weights = None if log_weights is None else (log_weights.shape, log_weights.dtype)
-        tensors, signature = flatten(state, inputs, (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn), threshold, weights))
+        settings = (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn), threshold, weights)
+        tensors, signature = flatten(state, inputs, settings)
         if signature is None:
             return None
         tensors += (log_weights,)
@@ -210,7 +217,7 @@ class CompiledStep:
         if log_weights is None:
             return None  # nothing weighed yet: the recording weighs from the previous weights
         if recording is None:
-            return self._record(program, state, model_fn, guide_fn, inputs, detach, score, threshold, tensors, signature)
+            return self._record(program, state, model_fn, guide_fn, inputs, (detach, score, threshold, _listed(state, program.layout)), tensors, signature)
         extra = module_tensors(program)
         if recording.signature != signature or shapes(extra) != recording.extra:
             return None
@@ -253,7 +260,7 @@ class CompiledStep:
             _keep(program, self._recording)
 
     # --- record, replay ----------------------------------------------------------------------------
-    def _record(self, program, state, model_fn, guide_fn, inputs, detach, score, threshold, tensors, signature) -> Replayed | None:
+    def _record(self, program, state, model_fn, guide_fn, inputs, settings, tensors, signature) -> Replayed | None:
         before = attribute_snapshot(program)
         keys = tuple(state)
         store = dict(pyro.get_param_store().named_parameters())
@@ -262,7 +269,7 @@ class CompiledStep:
         captured: dict[str, Any] = {}
 
         def step_function(*values):
-            return _run_step(program, keys, values[: len(tensors)], inputs, model_fn, guide_fn, detach, score, threshold, captured)
+            return _run_step(program, keys, values[: len(tensors)], inputs, model_fn, guide_fn, settings, captured)
 
         rng = rng_state()
         try:
@@ -284,12 +291,14 @@ class CompiledStep:
         new, terms, score_value = captured["state"], captured["terms"], captured["score"]
         names = tuple(name for name, _ in terms)
         recorded = sites(captured["proposal"])
-        self._recording = _Recording(function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, constants(program))
+        self._recording = _Recording(
+            function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, constants(program), int(captured["checks"]), {}
+        )
         state.replace(new)
         return Replayed(dict(new), terms, score_value, captured["proposal"])
 
     def _replay(self, recording: _Recording, state: SMCState, tensors: tuple) -> Replayed | None:
-        rng = rng_state()
+        rng = cheap_rng_state()
         replayed, total = self._call(recording, tensors)
         if not math.isfinite(total):
             # Rewound and rerun with Pyro's validation: the handler path names what went wrong.
@@ -302,19 +311,18 @@ class CompiledStep:
     def _call(self, recording: _Recording, tensors: tuple) -> tuple[Replayed, float]:
         """Calls the recording on ``tensors`` (the step's, then the model's and guide's own) and
         the parameters read now from the param store; returns what it made and the status's
-        check value (not finite: the step failed; :func:`_run_step`)."""
-        store = dict(pyro.get_param_store().named_parameters())
-        # The plain interpreter: the optimising executor's profiling runs and guards measured
-        # no faster on these small graphs (docs/benchmarks.md, the compiled step).
-        with torch.jit.optimized_execution(False):
-            out = iter(recording.function(*tensors, *(store[name] for name in recording.params)))
+        check value (not finite: the step failed; :func:`_run_step`), run by
+        :func:`~pyro_smc.infer.smc.replay.execute`."""
+        store = dict(pyro.get_param_store().named_parameters()) if recording.params else {}
+        out = iter(execute(recording.function, recording.executors, tensors + tuple(store[name] for name in recording.params)))
         new = {key: next(out) for key in recording.out_keys}
         terms = [(name, next(out)) for name in recording.term_names]
         score_value = next(out) if recording.has_score else None
         log_weights, increment, ess, need = next(out), next(out), next(out), next(out)
         means = {key: next(out) for key in recording.out_keys}
         # The step's one device read: its check and which filters resample.
-        total, *flags = next(out).tolist()
+        status = next(out).tolist()
+        total, flags = sum(status[: recording.checks]), status[recording.checks :]
         resampling = sum(flags)
         weighed = Weighed(log_weights, increment, means, ess, need, (resampling > 0, resampling == len(flags)))
         return Replayed(new, terms, score_value, weighed=weighed), total
@@ -332,6 +340,8 @@ class _Recording(NamedTuple):
     extra: tuple
     sites: tuple
     constants: tuple
+    checks: int = 1  # the status's leading check values (summed on the host)
+    executors: dict | None = None  # replay.execute's calls and static-runtime module
     runs: int = 0  # the runs that verified it before this one
 
 
@@ -361,14 +371,16 @@ def _keep(program: StepProgram, recording: _Recording | None) -> None:
         pass
 
 
-def _run_step(program, keys, values, inputs, model_fn, guide_fn, detach, score, threshold, captured) -> tuple[Tensor, ...]:
+def _run_step(program, keys, values, inputs, model_fn, guide_fn, settings, captured) -> tuple[Tensor, ...]:
     """The step as a tensor function (what :func:`torch.jit.trace` records).
 
     In: the particles, the tensor arguments and the previous log-weights. Out, in this order:
     the new particles, the log-weight terms, the score terms (if any), then the reweighting and
-    summary of :class:`Weighed` (log-weights, increment, ESS, need, means) and a status ``(1 + B,)``:
-    the sum of the normalisers and means (not finite: the step failed), then ``need`` as 0/1.
+    summary of :class:`Weighed` (log-weights, increment, ESS, need, means) and a status: the
+    normalisers and means, or for more than ``_LISTED`` of them their sum (not finite: the step
+    failed), then ``need`` as 0/1.
     """
+    detach, score, threshold, listed = settings
     state = SMCState()
     state.replace(dict(zip(keys, values[: len(keys)])))
     args, kwargs = unflatten(inputs, values[len(keys) : -1])
@@ -389,12 +401,27 @@ def _run_step(program, keys, values, inputs, model_fn, guide_fn, detach, score, 
     new_log_weights = joint - log_norm.unsqueeze(-1)
     means, ess = moments(state, new_log_weights, layout)
     need = ess < threshold
-    # One number is finite exactly when every normaliser and mean is, unless finite ones
-    # overflow in the sum; that case is rerun on the handler path, which decides.
-    total = sum((mean.sum() for mean in means.values()), log_norm.sum())
-    status = torch.cat([total.reshape(1), need.to(total.dtype)])
+    checked = [log_norm] + [mean.reshape(-1) for mean in means.values()]
+    if not listed:
+        # One number is finite exactly when every normaliser and mean is, unless finite ones
+        # overflow in the sum; that case is rerun on the handler path, which decides.
+        checked = [sum((mean.sum() for mean in means.values()), log_norm.sum()).reshape(1)]
+    status = torch.cat(checked + [need.to(log_norm.dtype)])
+    captured["checks"] = status.shape[0] - need.shape[0]
     head = tuple(state.values()) + tuple(term for _, term in terms) + (() if score_value is None else (score_value,))
     return head + (new_log_weights, log_norm + offset, ess, need) + tuple(means.values()) + (status,)
+
+
+# Up to this many normalisers and means, the status lists them and the host sums them (one
+# concatenation); beyond, the recording sums them (a few ops, and a short read).
+_LISTED = 64
+
+
+def _listed(state: SMCState, layout) -> bool:
+    """Whether the status lists the normalisers and means (``_LISTED``), from the particles'
+    shapes before the step (read here, not in the trace, where sizes are traced values)."""
+    dims = len(layout.particle_shape)
+    return layout.num_filters * (1 + sum(math.prod(value.shape[dims:]) for value in state.values())) <= _LISTED
 
 
 def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None]:
@@ -410,7 +437,11 @@ def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None
         elif not (issubclass(record.category, DeprecationWarning) and "torch.jit" in str(record.message)):
             # The program's own warnings reach the user as on the handler path.
             warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
-    return function, None
+    try:
+        return simplified(function), None
+    except Exception as error:  # noqa: BLE001 - a simplification that fails leaves the recording as traced
+        logger.info("SMC's recording is replayed as traced: its simplification failed (%s)", _first_line(error))
+        return function, None
 
 
 def _name(fn: Callable | None) -> str | None:

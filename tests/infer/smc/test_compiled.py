@@ -12,7 +12,9 @@ from pyro.nn import PyroModule, PyroParam
 
 from pyro_smc import SMC
 from pyro_smc.infer.smc.compiled import CompileFallbackWarning
-from pyro_smc.resamplers import OTResampler, SystematicResampler
+from pyro_smc.ops.resample import resample_where
+from pyro_smc.infer.smc import advance, replay
+from pyro_smc.resamplers import MultinomialResampler, OTResampler, StratifiedResampler, SystematicResampler
 
 T = 30
 
@@ -88,6 +90,48 @@ def test_compiled_equals_handler_path(resampler, with_guide):
     assert fast._compiled.reason is None and fast._compiled.compiled_steps == T - 3
     _assert_same(fast, plain, g_fast, g_plain)
     assert torch.equal(fast.resampled, plain.resampled)
+
+
+
+class Mixed:
+    """A 2-d state and a float-coded 0/1 label: an event dim and a discrete key to resample."""
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        state["z"] = pyro.sample("z_init", dist.Bernoulli(0.5))
+
+    def step(self, state, y):
+        state["z"] = pyro.sample("z", dist.Bernoulli(0.3 + 0.4 * state["z"]))
+        state["x"] = pyro.sample("x", dist.Normal(0.7 * state["x"] + state["z"].unsqueeze(-1), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(state["x"].sum(-1), 0.5), obs=y)
+
+
+@pytest.mark.parametrize(
+    "model, resampler",
+    [(model, resampler) for model in (AR, Mixed) for resampler in (SystematicResampler(), StratifiedResampler(), MultinomialResampler())]
+    # A discrete site's score terms read a tensor as a Python value: not compiled (a fallback).
+    + [(AR, StratifiedResampler(gradient="stop_gradient"))],
+    ids=lambda value: value.__name__.lower() if isinstance(value, type) else f"{type(value).__name__}-{value.gradient}",
+)
+@pytest.mark.parametrize("num_filters, num_particles", [(1, 64), (1, 500), (3, 200)], ids=["B1", "B1-counting", "B3"])
+def test_replayed_steps_resample_as_the_handler_path(resampler, num_filters, num_particles, model, monkeypatch):
+    """A replayed step resamples an index resampler's way in tensor operations alone
+    (resample_where): the same draws, particles, log-weights and gradients as the resampler's
+    call on the handler path, for every scheme, one filter or some of several, labels and
+    event dims, and systematic resampling's search and counting paths."""
+    calls = []
+    monkeypatch.setattr(advance, "resample_where", lambda *a: calls.append(1) or resample_where(*a))
+    runs = []
+    for compile in (False, None):
+        runs.append(_run(compile, model=model(), num_particles=num_particles, num_filters=num_filters, resampler=resampler))
+    (plain, g_plain), (fast, g_fast) = runs
+    assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
+    assert calls and fast.resampled.any(-1).sum() > len(calls) / 2  # the replayed steps resampled by it
+    _assert_same(fast, plain, g_fast, g_plain)
+    assert torch.equal(fast.resampled, plain.resampled)
+    for key in plain.state:
+        assert fast.state[key].dtype == plain.state[key].dtype and torch.equal(fast.state[key], plain.state[key])
+    assert torch.equal(fast.log_weights, plain.log_weights)
 
 
 class PlainAR:
@@ -320,3 +364,68 @@ def test_a_status_that_overflows_is_rerun_on_the_handler_path():
     assert fast.compile_status is None and fast._compiled.compiled_steps == 0
     assert bool(torch.isfinite(fast.filtering_means["big"]).all())
     _assert_same(fast, plain)
+
+
+def _executors(model):
+    from pyro_smc.infer.smc.compiled import _KEPT
+
+    return _KEPT[model][1].executors
+
+
+def test_steps_without_gradients_run_on_the_static_runtime_with_the_same_values(monkeypatch):
+    """Where nothing needs a gradient the recording runs on TorchScript's static runtime (here
+    from its second call): the same draws and values as the handler path (bit for bit here);
+    with parameters that require grad it stays on the interpreter, whose autograd the
+    gradients need."""
+    monkeypatch.setattr(replay, "_STATIC_AFTER", 2)
+    model = Mixed()
+    runs = []
+    for compile in (False, None):
+        pyro.clear_param_store()
+        torch.manual_seed(3)
+        runs.append(SMC(model if compile is None else Mixed(), num_particles=50, num_filters=2, compile=compile).run(_data()))
+    plain, fast = runs
+    assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
+    assert isinstance(_executors(model)["static"], torch.StaticModule)
+    assert torch.equal(fast.log_evidence, plain.log_evidence) and torch.equal(fast.state["x"], plain.state["x"])
+    ar = AR()
+    _run(None, model=ar, num_particles=30)
+    assert "static" not in _executors(ar)  # theta requires grad: never tried
+    runs = []
+    for compile, model in ((None, ar), (False, AR())):
+        torch.manual_seed(4)
+        with torch.no_grad():
+            runs.append(SMC(model, num_particles=30, compile=compile).run(_data()))
+    assert isinstance(_executors(ar)["static"], torch.StaticModule)
+    assert runs[0]._compiled.compiled_steps == T - 3  # grad mode off: another recording
+    _assert_same(*runs)
+
+
+def test_a_static_runtime_that_fails_leaves_the_recording_on_the_interpreter(monkeypatch):
+    monkeypatch.setattr(replay, "_STATIC_AFTER", 2)
+
+    def broken(graph):
+        raise RuntimeError("no static runtime here")
+
+    monkeypatch.setattr(torch._C, "_jit_to_static_module", broken)
+    model = Mixed()
+    runs = []
+    for compile in (False, None):
+        torch.manual_seed(3)
+        runs.append(SMC(model if compile is None else Mixed(), num_particles=50, compile=compile).run(_data()))
+    plain, fast = runs
+    assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
+    assert _executors(model)["static"] is False
+    assert torch.equal(fast.log_evidence, plain.log_evidence) and torch.equal(fast.state["x"], plain.state["x"])
+
+
+def test_a_simplification_that_fails_replays_the_recording_as_traced(monkeypatch):
+    from pyro_smc.infer.smc import compiled
+
+    def broken(function):
+        raise RuntimeError("no simplification here")
+
+    monkeypatch.setattr(compiled, "simplified", broken)
+    (plain, g_plain), (fast, g_fast) = _run(False, num_particles=40), _run(None, num_particles=40)
+    assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
+    _assert_same(fast, plain, g_fast, g_plain)
