@@ -46,25 +46,32 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_equal_mass, implicit_adjoint, solve, squared_distances, transport_plan
-from pyro_smc.ops.sinkhorn_kernel import colsum, flushing, thin_matmul
-from pyro_smc.ops.sinkhorn_solver import forward_solve
+from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_equal_mass, implicit_adjoint, solve, transport_plan
+from pyro_smc.ops.sinkhorn_kernel import flushing, thin_matmul
+from pyro_smc.ops.sinkhorn_solver import solve_with_plan
 
 __all__ = ["EnsembleResult", "ensemble_transform", "ensemble_solve"]
 
 
-def _normalised_cost(x: Tensor) -> tuple[Tensor, Tensor]:
+def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor]:
     """Returns the cost ``||x_i - x_j||^2 / delta^2`` and ``delta^2 = D max_k var_i(x_ik)``.
 
     ``delta`` is part of the function: it is differentiated like the rest (under autograd here,
     by hand in the fused backward), so the gradient is that of the computed transform and
     matches its finite differences. A degenerate cloud (all particles equal) has nothing to
     transport; its scale is set to 1, a constant, to avoid 0/0.
+
+    The cost is one product of thin matrices, ``[x, |x|^2, 1] [-2 x, 1, |x|^2]^T / delta^2``,
+    and one clamp, both over ``(..., N, N)``: the expanded quadratic form of
+    :func:`~pyro_smc.ops.sinkhorn.squared_distances` with the scale folded in. With
+    ``workspace`` (the fused forward, where the cost dies with the solve) it is written into a
+    buffer kept between calls (:func:`_workspace`).
     """
     n, d = x.shape[-2:]
     if n > 1:
@@ -72,7 +79,36 @@ def _normalised_cost(x: Tensor) -> tuple[Tensor, Tensor]:
     else:
         scale2 = x.new_zeros(x.shape[:-2])
     scale2 = torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
-    return squared_distances(x, x).div_(scale2[..., None, None]), scale2
+    sq = x.square().sum(-1, keepdim=True)
+    ones = torch.ones_like(sq)
+    left = torch.cat([x, sq, ones], -1)
+    right = torch.cat([-2 * x, ones, sq], -1) / scale2[..., None, None]
+    out = _workspace(x.shape[:-1] + (n,), x) if workspace else None
+    return torch.matmul(left, right.transpose(-1, -2), out=out).clamp_min_(0), scale2
+
+
+# Per thread, one CPU buffer per dtype for the fused forward's cost, up to this many bytes.
+_WORKSPACE_MAX_BYTES = 1 << 25
+_WORKSPACES = threading.local()
+
+
+def _workspace(shape: torch.Size, like: Tensor) -> Tensor | None:
+    """A buffer of ``shape`` kept between calls (``None``: allocate afresh), CPU only.
+
+    A fresh ``(B, N, N)`` tensor is above glibc's mmap threshold, and once freed its pages go
+    back to the system: every call faulted them in again, which on this project's benchmark
+    machine cost as much as several passes over the tensor (2 ms for the 2.6 MB cost of 32 x 100
+    x 100 float64, against 0.6 ms for an exp over it). The cost is dead once the solve
+    returns, so one buffer serves every call; CUDA's caching allocator needs none.
+    """
+    numel = math.prod(shape)
+    if like.device.type != "cpu" or numel * like.element_size() > _WORKSPACE_MAX_BYTES:
+        return None
+    buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(like.dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[like.dtype] = like.new_empty(numel)
+    return buffer[:numel].view(shape)
 
 
 def _scale_gradient(x: Tensor, grad_scale2: Tensor) -> Tensor:
@@ -101,20 +137,22 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         n = x.shape[-2]
         epsilon = settings.epsilon
         with torch.no_grad():
-            cost, scale2 = _normalised_cost(x)
+            cost, scale2 = _normalised_cost(x, workspace=True)
             log_a = torch.full_like(log_b, -math.log(n))
-            result = forward_solve(cost, log_a, log_b, settings, stacklevel=4)
-            f, g = result.f, result.g
-            # K_ij = P_ij / sqrt(a_i b_j): the symmetric form the adjoint needs; P x and the
-            # row sums of P come out of one product with [sqrt(b) x, sqrt(b)].
+            result, (kernel, u, v) = solve_with_plan(cost, log_a, log_b, settings, stacklevel=4)
+            batch = x.shape[:-2]
+            kernel, u, v = kernel.reshape(batch + (n, n)), u.reshape(batch + (n,)), v.reshape(batch + (n,))
+            # The solver's plan diag(a u) K diag(b v), reused: no exp over (B, N, N). P x and the
+            # row sums of P come out of one product with [b v x, b v] (a u cancels in x_new).
             sqrt_a = math.exp(-0.5 * math.log(n))
             sqrt_b = (log_b / 2).exp()
-            kernel = (
-                cost.neg_().add_(f.unsqueeze(-1) + 0.5 * epsilon * math.log(1.0 / n)).add_((g + 0.5 * epsilon * log_b).unsqueeze(-2)).div_(epsilon)
-            ).exp_()
-            moved = thin_matmul(kernel, torch.cat([sqrt_b.unsqueeze(-1) * x, sqrt_b.unsqueeze(-1)], -1))
+            bv = log_b.exp() * v
+            moved = thin_matmul(kernel, torch.cat([bv.unsqueeze(-1) * x, bv.unsqueeze(-1)], -1))
             x_new = moved[..., :-1] / moved[..., -1:]
-            rows = sqrt_a * moved[..., -1:]  # row sums of P
+            rows = (u / n).unsqueeze(-1) * moved[..., -1:]  # row sums of P
+            # K / sqrt(a b^T) scaled by sqrt(a) u and sqrt(b) v is P / sqrt(a_i b_j): the
+            # symmetric form the adjoint needs, built in place.
+            kernel.mul_((sqrt_a * u).unsqueeze(-1)).mul_((sqrt_b * v).unsqueeze(-2))
             # An (N, N) product the caller may not need (OTResampler reads it only for
             # particles it cannot average); an empty tensor stands in for it then.
             plan = kernel * (sqrt_a * sqrt_b).unsqueeze(-2) if want_plan else x.new_empty(0)
@@ -131,46 +169,83 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     @staticmethod
     @flushing
     def backward(ctx, grad_x_new, *_not_differentiable):
-        x, kernel, sqrt_b, rows, x_new, scale2 = ctx.saved_tensors
-        sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
         if grad_x_new is None:
             return None, None, None, None
+        x, kernel, sqrt_b, rows, x_new, scale2 = ctx.saved_tensors
+        sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
+        # One batch dimension, and thin factors as rows (B, k, N): every product with the kernel
+        # is one bmm, and the kernel is only read, never copied.
+        shape, (n, dim) = x.shape, x.shape[-2:]
+        x, x_new, grad_x_new = (t.reshape(-1, n, dim) for t in (x, x_new, grad_x_new))
+        kernel, sqrt_b, rows, scale2 = kernel.reshape(-1, n, n), sqrt_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1)
         # x_new_i = sum_j P_ij x_j / r_i, so d loss / d log P_ij = P_ij (G_i . x_j - c_i) with
         # G_i = grad_i / r_i and c_i = G_i . x_new_i.
         gs = grad_x_new / rows
         c = (gs * x_new).sum(-1)
-        kt = thin_matmul(kernel, torch.cat([gs, c.unsqueeze(-1)], -1), transpose=True)  # K^T [G, c]
-        kt_g, kt_c = kt[..., :-1], kt[..., -1]
+        kt = torch.bmm(torch.cat([gs, c.unsqueeze(-1)], -1).transpose(1, 2), kernel)  # K^T [G, c], as rows
+        kt_g, kt_c = kt[:, :-1], kt[:, -1]
+        x_t = x.transpose(1, 2)
         # Column sums of d loss / d log P, i.e. eps * d loss / d g (the row sums vanish).
-        col = sqrt_a * sqrt_b * ((x * kt_g).sum(-1) - kt_c)
+        col = sqrt_a * sqrt_b * ((x_t * kt_g).sum(1) - kt_c)
         if ctx.exact:
-            alpha, beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, torch.zeros_like(c), col / eps, ctx.tol)
+            alpha, beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, None, col / eps, ctx.tol)
         else:
             # gradient="last_step": the potentials are held fixed (no adjoint solve), which is
             # exactly the gradient of one row update f = T_b(g) from the detached g, since the
             # row normalisation removes f. See docs/math/smc.md#gradient-modes.
             alpha, beta = torch.zeros_like(c), torch.zeros_like(col)
-        grad_log_b = col - eps * sqrt_b * colsum(kernel, alpha)
+        grad_log_b = col - eps * sqrt_b * torch.bmm(alpha.unsqueeze(1), kernel).squeeze(1)
         # d loss / d C = -(1/eps) d loss / d log P + K * (alpha_i sqrt(b_j) + sqrt(a) beta_j)
         #              = (sqrt(a) / eps) K * (eps beta_j - sqrt(b_j) (G_i . x_j - d_i)),
-        # with d_i = c_i + eps alpha_i / sqrt(a).
+        # with d_i = c_i + eps alpha_i / sqrt(a). C_ij = ||x_i - x_j||^2 / delta^2, so
+        # d loss / d x_k = (2 / delta^2) ((R_k + S_k) x_k - (H x)_k - (H^T x)_k) with R, S the
+        # row and column sums of H = d loss / d C: all from H [x, 1] and H^T [x, 1].
         d = c + eps * alpha / sqrt_a
-        grad_cost = gs @ x.transpose(-1, -2)
-        grad_cost.sub_(d.unsqueeze(-1)).mul_(-sqrt_b.unsqueeze(-2)).add_((eps * beta).unsqueeze(-2)).mul_(kernel)
-        grad_cost.mul_(sqrt_a / eps)
-        # C_ij = ||x_i - x_j||^2 / delta^2: d loss / d x_k = (2 / delta^2) ((R_k + S_k) x_k
-        # - (H x)_k - (H^T x)_k) with R, S the row and column sums of H = d loss / d C.
-        x1 = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-        h_x = thin_matmul(grad_cost, x1)
-        ht_x = thin_matmul(grad_cost, x1, transpose=True)
-        sums = (h_x[..., -1] + ht_x[..., -1]).unsqueeze(-1)
-        grad_x = (2 / scale2)[..., None, None] * (sums * x - h_x[..., :-1] - ht_x[..., :-1])
+        x1_t = torch.cat([x_t, torch.ones_like(x_t[:, :1])], 1)
+        h_x, ht_x = _cost_gradient_products(kernel, gs, x, d, sqrt_b, eps * beta, x1_t)
+        scale = sqrt_a / eps
+        sums = (h_x[:, -1] + ht_x[:, -1]) * scale
+        h_x = h_x[:, :-1] * scale
+        hs_x = torch.add(h_x, ht_x[:, :-1], alpha=scale)
+        grad_x = (2 / scale2)[:, None, None] * (sums.unsqueeze(-1) * x - hs_x.transpose(1, 2))
         # Through the scale: d loss / d delta^2 = -sum_ij H_ij ||x_i - x_j||^2 / delta^4, where
         # sum_ij H_ij ||x_i - x_j||^2 = sum_i (R_i + S_i) |x_i|^2 - 2 sum_i x_i . (H x)_i.
-        spread = (sums.squeeze(-1) * x.square().sum(-1) - 2 * (x * h_x[..., :-1]).sum(-1)).sum(-1)
+        spread = (sums * x.square().sum(-1) - 2 * (x_t * h_x).sum(1)).sum(-1)
         grad_x = grad_x + _scale_gradient(x, -spread / scale2.square())
-        grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g  # through x_j in P x
-        return grad_x, grad_log_b, None, None
+        grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g.transpose(1, 2)  # through x_j in P x
+        return grad_x.reshape(shape), grad_log_b.reshape(shape[:-1]), None, None
+
+
+# Above this many columns ((D + 2) (D + 1) for D-dimensional particles) the cost gradient is
+# formed as an (N, N) matrix instead of through its low-rank factors (see
+# _cost_gradient_products).
+_LOW_RANK_MAX_WIDTH = 20
+
+
+def _cost_gradient_products(kernel: Tensor, gs: Tensor, x: Tensor, d: Tensor, sqrt_b: Tensor, eps_beta: Tensor, y_t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(H y, H^T y)`` as rows ``(B, q, N)`` for ``y`` given as rows ``y_t`` ``(B, q, N)``, with
+    ``H = K * M`` (elementwise; the factor ``sqrt(a) / eps`` left to the caller) and
+    ``M_ij = eps_beta_j + sqrt(b_j) d_i - sqrt(b_j) G_i . x_j``.
+
+    ``M`` has rank ``D + 2``: ``M = sum_r A_r B_r^T`` with ``A = [1, d, -G]`` and
+    ``B = [eps_beta, sqrt(b), sqrt(b) x]``, so ``H y = sum_r A_r * K (B_r * y)`` and
+    ``H^T y = sum_r B_r * K^T (A_r * y)``: two products of the kernel with ``(D + 2) q`` thin
+    columns and no ``(N, N)`` temporary. Small ``D`` only: the explicit ``H`` (an ``(N, N)``
+    allocation, whose pages fault in afresh on each call, and six passes over it) wins when
+    the columns outnumber ``_LOW_RANK_MAX_WIDTH``.
+    """
+    b, q, n = y_t.shape
+    a_t = torch.cat([torch.ones_like(d).unsqueeze(1), d.unsqueeze(1), -gs.transpose(1, 2)], 1)  # (B, R, N)
+    b_t = torch.cat([eps_beta.unsqueeze(1), sqrt_b.unsqueeze(1), sqrt_b.unsqueeze(1) * x.transpose(1, 2)], 1)
+    r = a_t.shape[1]
+    if r * q > _LOW_RANK_MAX_WIDTH:
+        h = torch.bmm(a_t.transpose(1, 2), b_t).mul_(kernel)
+        return torch.bmm(y_t, h.transpose(1, 2)), torch.bmm(y_t, h)
+    k_by = torch.bmm((b_t.unsqueeze(2) * y_t.unsqueeze(1)).reshape(b, r * q, n), kernel.transpose(1, 2))
+    kt_ay = torch.bmm((a_t.unsqueeze(2) * y_t.unsqueeze(1)).reshape(b, r * q, n), kernel)
+    h_y = (a_t.unsqueeze(2) * k_by.reshape(b, r, q, n)).sum(1)
+    ht_y = (b_t.unsqueeze(2) * kt_ay.reshape(b, r, q, n)).sum(1)
+    return h_y, ht_y
 
 
 class EnsembleResult(NamedTuple):

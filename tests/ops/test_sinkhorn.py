@@ -474,3 +474,21 @@ def test_sinkhorn_and_ensemble_transform_reject_non_positive_epsilon(epsilon, dt
         ensemble_transform(torch.rand(1, 3, 2, dtype=dtype), log_a, epsilon)
     with pytest.raises(ValueError, match="epsilon"):
         OTResampler(epsilon)
+
+
+def test_implicit_adjoint_without_a_gradient_in_f_is_the_zero_gradient():
+    from pyro_smc.ops.sinkhorn import implicit_adjoint
+
+    x = torch.randn(2, 9, 2, generator=gen(4), dtype=torch.float64)
+    cost = squared_distances(x, x)
+    log_a = torch.full((2, 9), -math.log(9), dtype=torch.float64)
+    log_b = torch.randn(2, 9, generator=gen(5), dtype=torch.float64).log_softmax(-1)
+    f, g = sinkhorn(cost, log_a, log_b, 0.3, threshold=1e-12, max_iter=10000)
+    sqrt_a, sqrt_b = (log_a / 2).exp(), (log_b / 2).exp()
+    kernel = transport_plan(cost, log_a, log_b, f, g, 0.3) / (sqrt_a.unsqueeze(-1) * sqrt_b.unsqueeze(-2))
+    grad_g = torch.randn(2, 9, generator=gen(6), dtype=torch.float64)
+    grad_g = grad_g - sqrt_b * (sqrt_b * grad_g).sum(-1, keepdim=True)  # consistent: orthogonal to the gauge
+    with_zeros = implicit_adjoint(kernel, sqrt_a, sqrt_b, torch.zeros_like(f), grad_g, 1e-12)
+    with_none = implicit_adjoint(kernel, sqrt_a, sqrt_b, None, grad_g, 1e-12)
+    for a, b in zip(with_zeros, with_none):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
