@@ -180,7 +180,10 @@ def _value_and_jacobian(fn, mean: Tensor, t: int) -> tuple[Tensor, Tensor]:
     with torch.enable_grad():
         z = mean.new_zeros(mean.shape[:-1] + (mu.shape[-1], mean.shape[-1]), requires_grad=True)
         copies = fn((mean if create_graph else mean.detach()).unsqueeze(-2) + z, t)  # (..., e, e): row i at copy i
-        (J,) = torch.autograd.grad(copies.diagonal(dim1=-2, dim2=-1).sum(), z, create_graph=create_graph)
+        total = copies.diagonal(dim1=-2, dim2=-1).sum()
+        # An explicit seed: autograd's default one tests the output's size as a tensor, which a
+        # recorded step (recorded.py) would see as a data-dependent branch.
+        (J,) = torch.autograd.grad(total, z, grad_outputs=torch.ones_like(total), create_graph=create_graph)
     return mu, J
 
 
@@ -240,7 +243,10 @@ class Unscented(Projection):
     def moments(self, fn, mean: Tensor, cov: Tensor, t: int, noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Moments of ``fn(x, t) + noise`` at ``x ~ N(mean, cov)``, ``noise ~ N(0, noise_cov)`` (see :meth:`Projection.moments`)."""
         # map_moments' S is already symmetric (and so is S + noise_cov): _with_noise's second
-        # symmetrisation would return the same bits, so it is skipped on this per-step path.
+        # symmetrisation would return the same bits, so it is skipped on this per-step path; for a
+        # callable the transform adds the noise itself, fused with its symmetrisation.
+        if not is_gp(fn):
+            return unscented_moments(lambda x: fn(x, t), mean, cov, **self.settings, noise_cov=noise_cov)
         mu, S, C = self.map_moments(fn, mean, cov, t)
         return mu, S if noise_cov is None else S + noise_cov, C
 

@@ -59,6 +59,7 @@ from torch import Tensor
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.gaussian.observed import ObservationStatus, observation_status, observed_moments
 from pyro_smc.infer.gaussian.projections import Projection, Unscented, as_projection
+from pyro_smc.infer.gaussian.recorded import ForwardRun, LeanFilter
 from pyro_smc.infer.gaussian.result import GaussianSmootherResult
 from pyro_smc.models.protocol import GaussianStateSpaceModel, require_gaussian_model
 from pyro_smc.observations import check_observations
@@ -86,14 +87,13 @@ def _log_normal(residual: Tensor, chol: Tensor) -> Tensor:
     return -0.5 * (z * z).sum(-1) - torch.diagonal(chol, dim1=-2, dim2=-1).log().sum(-1) - 0.5 * residual.shape[-1] * math.log(2 * math.pi)
 
 
-def _increments(like: Tensor, steps: int, full: list, partial: list) -> Tensor:
-    # The (T,) log-evidence increments: the fully observed steps' (t, y - mu, chol) in one batched
-    # call after the forward loop, the partly observed ones (each its own dimension) one by one.
+def _increments(like: Tensor, steps: int, full: tuple, partial: list) -> Tensor:
+    # The (T,) log-evidence increments: the fully observed steps' ``(steps, residuals, chols)``
+    # stacked, in one batched call, the partly observed ones (each its own dimension) one by one.
     idx, values = [], []
     if full:
-        ts, residuals, chols = zip(*full)
-        idx.extend(ts)
-        values.append(_log_normal(torch.stack(residuals), torch.stack(chols)))
+        idx.extend(full[0])
+        values.append(_log_normal(full[1], full[2]))
     for t, residual, chol in partial:
         idx.append(t)
         values.append(_log_normal(residual, chol).unsqueeze(0))
@@ -141,7 +141,7 @@ DIVERGED = (
 )
 
 
-def _failed(where: str, t: int, moments: dict[str, list], error: Exception) -> ValueError:
+def _failed(where: str, t: int, moments: dict[str, list], detail: str) -> ValueError:
     """The error for a factorisation that failed at step ``t``: non-finite moments at the first
     step that has them (the likely cause), else a covariance that is not positive definite."""
     try:
@@ -150,16 +150,43 @@ def _failed(where: str, t: int, moments: dict[str, list], error: Exception) -> V
         return located
     return ValueError(
         f"{where}: at time step {t} a covariance is not positive definite (the predicted or the innovation covariance; "
-        f"{type(error).__name__}: {str(error).splitlines()[0]}); {DIVERGED}, or give the noise covariances more room "
-        "relative to the state's scale"
+        f"{detail}); {DIVERGED}, or give the noise covariances more room relative to the state's scale"
     )
 
 
+def _check_factorisations(where: str, run: ForwardRun, ssm: GaussianStateSpaceModel) -> None:
+    # The lean pass factorises with cholesky_ex and goes on: its first failed step is found here,
+    # once per run, and reported as the eager loop reported it at the step (the moments up to it,
+    # the step's own being its prediction).
+    failed = torch.nonzero(run.info)
+    if failed.numel() == 0:
+        return
+    t = int(failed[0, 0])
+    mean, cov = (run.predictions[0][t - 1], run.predictions[1][t - 1]) if t > 0 else (ssm.init_mean, ssm.init_cov)
+    moments = {"filtering mean": list(run.means[:t]) + [mean], "filtering covariance": list(run.covariances[:t]) + [cov]}
+    raise _failed(where, t, moments, "a Cholesky factorisation failed")
+
+
 def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Projection) -> FilterPass:
-    transition, observation = projection.for_factor("transition"), projection.for_factor("observation")
     ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
     status = observation_status(ys)
     where = f"Gaussian filter ({projection!r})"
+    lean = LeanFilter.of(ssm, projection)
+    if lean is None:
+        run = _general_forward(ssm, ys, observed, status, projection, where)
+    else:
+        run = lean.run(ys, observed, status)
+        _check_factorisations(where, run, ssm)
+    increments = _increments(ys, ys.shape[0], run.full, run.partial)
+    # One check per run: a NaN that never reaches a factorisation (an unobserved coordinate)
+    # would otherwise pass silently, beside a finite evidence.
+    check_finite_steps(where, {"filtering mean": run.means, "filtering covariance": run.covariances, "log-evidence increment": increments}, DIVERGED)
+    return FilterPass(run.means, run.covariances, run.predictions, increments.sum(), increments)
+
+
+def _general_forward(ssm: GaussianStateSpaceModel, ys: Tensor, observed: Tensor, status: list, projection: Projection, where: str) -> ForwardRun:
+    # Any projection, GP maps included: each step through Projection.moments.
+    transition, observation = projection.for_factor("transition"), projection.for_factor("observation")
     m, P = ssm.init_mean, ssm.init_cov
     means, covs, predictions, full, partial = [], [], [], [], []
     for t in range(ys.shape[0]):
@@ -179,16 +206,17 @@ def _filter_pinned(ssm: GaussianStateSpaceModel, observations, projection: Proje
                 P = symmetrize(P - C_y @ gain_t)
                 (full if status[t] == ObservationStatus.OBSERVED else partial).append((t, residual, chol))
         except torch.linalg.LinAlgError as error:
-            raise _failed(where, t, {"filtering mean": means + [m], "filtering covariance": covs + [P]}, error) from error
+            detail = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            raise _failed(where, t, {"filtering mean": means + [m], "filtering covariance": covs + [P]}, detail) from error
         means.append(m)
         covs.append(P)
-    increments = _increments(ys, ys.shape[0], full, partial)
-    means, covs = torch.stack(means), torch.stack(covs)
-    # One check per run: a NaN that never reaches a factorisation (an unobserved coordinate)
-    # would otherwise pass silently, beside a finite evidence.
-    check_finite_steps(where, {"filtering mean": means, "filtering covariance": covs, "log-evidence increment": increments}, DIVERGED)
     predictions = tuple(torch.stack(column) for column in zip(*predictions)) if predictions else ()
-    return FilterPass(means, covs, predictions, increments.sum(), increments)
+    stacked = ()
+    if full:
+        steps, residuals, chols = zip(*full)
+        stacked = (list(steps), torch.stack(residuals), torch.stack(chols))
+    info = torch.zeros(ys.shape[0], dtype=torch.int32, device=ys.device)
+    return ForwardRun(torch.stack(means), torch.stack(covs), predictions, stacked, partial, info)
 
 
 def gaussian_filter(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> GaussianSmootherResult:
