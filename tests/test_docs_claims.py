@@ -212,10 +212,13 @@ def test_online_checkpoint_holds_the_learned_parameters():
         assert torch.equal(v, after[k]), k
 
 
-def test_online_running_elbo_is_a_lower_bound():
+@pytest.mark.parametrize("stop_sigmas", [3.0, None], ids=["defaults", "every-iteration"])
+def test_online_running_elbo_is_a_lower_bound(stop_sigmas):
     """docs/engines/streaming.md: "The running ELBO ``log_evidence`` is a Monte Carlo lower bound on
     ``log p(y_{1:t})``." On a linear-Gaussian model the mean of three runs' ELBOs stays below the
-    Kalman log-evidence, within five standard errors of that mean."""
+    Kalman log-evidence, within five standard errors of that mean (plus float rounding: at the
+    defaults each step starts at the exact Kalman update and stops there, so the bound is met
+    with equality; with every iteration run, Adam's noisy steps move off the optimum)."""
     truth = DiagonalLinearGaussianSSM(torch.tensor([0.8, 0.8]), torch.tensor([1.0, 1.0]), 0.5, 0.3)
     linear = truth.as_linear_gaussian()
     _, ys = linear.simulate(8, generator=torch.Generator().manual_seed(1))
@@ -223,12 +226,16 @@ def test_online_running_elbo_is_a_lower_bound():
     for seed in range(3):
         pyro.clear_param_store()
         torch.manual_seed(seed)
-        vf = OnlineVariationalFilter(truth, StreamingFilterGuide(2), num_iterations=3, num_samples=16, num_regression_samples=32)
+        vf = OnlineVariationalFilter(
+            truth, StreamingFilterGuide(2), num_iterations=3, num_samples=16, num_regression_samples=32, stop_sigmas=stop_sigmas
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             elbos.append(vf.run(ys).log_evidence)
     elbos = torch.stack(elbos)
-    assert elbos.mean() < linear.log_evidence(ys) + 5 * elbos.std() / len(elbos) ** 0.5
+    exact = linear.log_evidence(ys)
+    rounding = 1e-5 * (1 + abs(float(exact)))  # float32
+    assert elbos.mean() <= exact + 5 * elbos.std() / len(elbos) ** 0.5 + rounding
 
 
 def _matrix_and_vector_model():

@@ -274,9 +274,9 @@ class StreamingFamily(pyro.nn.PyroModule):
             >>> q.invalid_parameter()
             'scale_raw'
         """
-        for name, p in self.named_parameters():
-            if not bool(torch.isfinite(p).all()):
-                return name
+        named = list(self.named_parameters())
+        if not bool(torch.isfinite(torch.cat([p.detach().reshape(-1) for _, p in named])).all()):  # one check when all are
+            return next(name for name, p in named if not bool(torch.isfinite(p).all()))
         for name in ("scale_raw", "bwd_scale_raw"):
             scale = self._scale(getattr(self, name))
             sd = scale if self.covariance == "diag" else scale.square().sum(-1).sqrt()

@@ -3,12 +3,13 @@ r"""One step's Monte Carlo estimate by the online variational filter, once ``phi
 See ``docs/math/streaming.md#value-function-regression`` and
 ``docs/math/streaming.md#monte-carlo-error-of-the-running-elbo``.
 
-On ``N = num_regression_samples`` fresh draws of ``q_t(x_t) q_t(x_{t-1} | x_t)`` (not
-reparameterised) the targets ``U_{t-1}(x_{t-1}) + delta`` give the running ELBO ``L_t`` (their
-mean) and its standard error (this step's, combined in quadrature with the earlier steps'),
-``U_t`` is the value regression of the targets on ``x_t``, and with ``learn_parameters`` the same
-draws feed the parameter update (:mod:`~pyro_smc.infer.online.learning`). A kernel that puts
-``x_{t-1}`` outside the draws ``U_{t-1}`` was fitted on is recorded in ``unreliable_steps``
+On ``N = num_regression_samples`` fresh draws of ``q_t(x_t) q_t(x_{t-1} | x_t)`` (those of the
+gradient check that stopped the step's optimisation, when one did: they are draws of the guide
+as fitted) the targets ``U_{t-1}(x_{t-1}) + delta`` give the running ELBO ``L_t`` (their mean)
+and its standard error (this step's, combined in quadrature with the earlier steps'), ``U_t`` is
+the value regression of the targets on ``x_t``, and with ``learn_parameters`` the same draws feed
+the parameter update (:mod:`~pyro_smc.infer.online.learning`). A kernel that puts ``x_{t-1}``
+outside the draws ``U_{t-1}`` was fitted on is recorded in ``unreliable_steps``
 (:class:`~pyro_smc.infer.online.checks.OnlineFilterWarning`). The draws' state batch is carried
 on to the next step.
 
@@ -58,11 +59,20 @@ def assimilate(vf: OnlineVariationalFilter, context: StepContext) -> None:
         ValueError: naming the step, a target that is not finite (before anything is written) or
             a parameter that the online update made not finite.
     """
-    with torch.no_grad():
-        pairs = draw(vf.guide, context, vf.num_regression_samples, reparameterise=False)
     learn = vf.learn_parameters and bool(vf._learner.theta)
-    with torch.set_grad_enabled(learn):
-        delta, state = increment(context, pairs)
+    checked = vf._optimiser.checked
+    if checked is not None and not learn:
+        # The gradient check that stopped the step drew from the guide as fitted: its draws
+        # are as good as fresh ones, and their model run is already done.
+        pairs, delta, state = checked.pairs, checked.delta, checked.state
+    else:
+        if checked is not None:
+            pairs = checked.pairs
+        else:
+            with torch.no_grad():
+                pairs = draw(vf.guide, context, vf.num_regression_samples, reparameterise=False)
+        with torch.set_grad_enabled(learn):
+            delta, state = increment(context, pairs)
     past = 0.0 if pairs.x_prev is None else vf._value(pairs.x_prev).reshape(-1)
     increments = delta.detach()
     targets = past + increments

@@ -77,17 +77,19 @@ from pyro_smc.infer.online.learning import ParameterLearner, model_parameter_nam
 from pyro_smc.infer.online.objective import StepOptimiser
 from pyro_smc.infer.online.result import OnlineFilterResult
 from pyro_smc.infer.online.start import initialise
+from pyro_smc.infer.online.stopping import STOP_SIGMAS_DEFAULT
 from pyro_smc.observations import check_observations
 from pyro_smc.progress import progress, progress_enabled
 from pyro_smc.regression import Regressor, make_regressor
 from pyro_smc.tracing import module_context
 
-__all__ = ["EXTRAPOLATION_LIMIT", "INITIALIZE", "TOL_DEFAULT", "OnlineFilterWarning", "OnlineVariationalFilter", "robbins_monro"]
+__all__ = ["EXTRAPOLATION_LIMIT", "INITIALIZE", "STOP_SIGMAS_DEFAULT", "TOL_DEFAULT", "OnlineFilterWarning", "OnlineVariationalFilter", "robbins_monro"]
 
 TOL_DEFAULT = None
-"""The default ``tol`` of :class:`OnlineVariationalFilter`'s per-step stopping rule: off, for now.
-``tol=1e-3`` cuts a d = 2 step about 3.6x at Kalman tracking error <= 0.045 sd, but stops a d = 10
-step early enough to cost accuracy (its joint KL to Kalman 0.256 against 0.25 at all 100 iterations)."""
+"""The default ``tol`` of :class:`OnlineVariationalFilter`'s objective stopping rule: off. The
+gradient rule (``stop_sigmas``, on by default) stops a step instead: ``tol=1e-3`` stopped a d = 10
+step early enough to cost accuracy (its joint KL to Kalman 0.256 against 0.25 at all 100
+iterations), and a step at its optimum still ran 20 iterations under it."""
 
 
 class OnlineVariationalFilter:
@@ -101,14 +103,21 @@ class OnlineVariationalFilter:
             :class:`~pyro_smc.guides.StreamingFamily` with one kernel.
         num_samples: Monte Carlo samples per optimisation iteration.
         num_iterations: Adam iterations on :math:`\phi_t` per observation (0: use the guide as it is),
-            at most: see ``tol``.
-        tol: the per-step stopping rule (default ``None``: always run ``num_iterations``; try
-            ``1e-3`` in low dimensions, see ``TOL_DEFAULT``): a step's optimisation stops once the mean objective of its last 10
-            iterations exceeds that of the 10 before by less than ``tol`` times its absolute value
-            (``pyro_smc.infer.online.objective.converged``), so at least 20 iterations run (all of
-            them when ``num_iterations <= 20``). The Monte Carlo objective is noisy, so near the
-            optimum (e.g. from the exact Laplace start of a linear-Gaussian model) a step stops
-            after about 20 iterations; the iterations each step ran are in ``result.iterations``.
+            at most: see ``stop_sigmas`` and ``tol``. The iterations each step ran are in
+            ``result.iterations``.
+        stop_sigmas: the gradient stopping rule (default 3; ``None``: off): before the first
+            iteration, and every 10 after, the whitened gradient of the step's objective is
+            estimated on ``num_regression_samples`` fresh draws (in 16 groups, whose spread gives
+            its Monte Carlo noise), and the step stops once the estimate of its squared norm is at
+            most ``stop_sigmas`` standard deviations above zero: nothing more can be resolved
+            from the draws the step's estimate is made from (which are those draws; see
+            ``pyro_smc.infer.online.stopping``). A step whose start is optimal (the start of a
+            linear-Gaussian step is exact) runs no iteration, but for about 1-3% of steps.
+        tol: the objective stopping rule (default ``None``: off; see ``TOL_DEFAULT``): a step's
+            optimisation stops once the mean objective of its last 10 iterations exceeds that of
+            the 10 before by less than ``tol`` times its absolute value
+            (``pyro_smc.infer.online.objective.converged``), so at least 20 iterations run. With
+            both rules on, a step stops at the first that says so.
         lr: Adam learning rate for :math:`\phi_t` in the whitened units of the step's start (decayed
             tenfold over each step's iterations): an iteration moves the marginal's and the
             kernel's means by about ``lr`` of their standard deviations in any direction and
@@ -123,8 +132,9 @@ class OnlineVariationalFilter:
         initialize: how each step's optimisation starts (``pyro_smc.infer.online.start``).
             ``"laplace"``: :math:`q_t` at the Laplace approximation of the model's one-step prediction
             from :math:`q_{t-1}` times :math:`g(y_t \mid x_t)`, and the kernel at the linear regression of
-            :math:`x_{t-1}` on :math:`x_t` under the prediction (both exact for linear-Gaussian models up
-            to Monte Carlo error); ``"predict"``: the same without the Newton steps;
+            :math:`x_{t-1}` on :math:`x_t` under the prediction, with the transition mean's linear part
+            as a control variate (both exact, to rounding, for linear-Gaussian models);
+            ``"predict"``: the same without the Newton steps;
             ``"previous"``: the guide's current parameters.
         learn_parameters: update the model's parameters online.
         parameter_lr: :math:`\eta_0` of the Robbins-Monro schedule, or a callable :math:`t \mapsto \eta_t`.
@@ -174,6 +184,7 @@ class OnlineVariationalFilter:
         num_samples: int = 32,
         num_iterations: int = 100,
         tol: float | None = TOL_DEFAULT,
+        stop_sigmas: float | None = STOP_SIGMAS_DEFAULT,
         lr: float = 0.03,
         initial_lr: float | None = None,
         regressor: str | Regressor = "quadratic",
@@ -194,6 +205,9 @@ class OnlineVariationalFilter:
         if tol is not None and not (isinstance(tol, (int, float)) and not isinstance(tol, bool) and math.isfinite(tol) and tol > 0):
             raise ValueError(f"tol must be a finite number > 0, or None (always run num_iterations), got {tol!r}")
         self.tol = None if tol is None else float(tol)
+        if stop_sigmas is not None and not (isinstance(stop_sigmas, (int, float)) and not isinstance(stop_sigmas, bool) and math.isfinite(stop_sigmas)):
+            raise ValueError(f"stop_sigmas must be a finite number, or None (no gradient check), got {stop_sigmas!r}")
+        self.stop_sigmas = None if stop_sigmas is None else float(stop_sigmas)
         self.num_regression_samples = int_at_least("num_regression_samples", num_regression_samples, 2)
         self.window = positive_int("window", window)
         self.initialize = initialize
@@ -210,7 +224,10 @@ class OnlineVariationalFilter:
         progress_enabled(progress_bar)  # its TypeError, at construction
         self.lr = lr
         self.initial_lr = 10.0 * self.lr if initial_lr is None else positive_float("initial_lr", initial_lr)
-        self._optimiser = StepOptimiser(guide, lr=self.lr, initial_lr=self.initial_lr, num_iterations=self.num_iterations, num_samples=self.num_samples, tol=self.tol)
+        self._optimiser = StepOptimiser(
+            guide, lr=self.lr, initial_lr=self.initial_lr, num_iterations=self.num_iterations, num_samples=self.num_samples, tol=self.tol,
+            stop_sigmas=self.stop_sigmas, check_samples=self.num_regression_samples,
+        )
         self.init()
 
     # --- public interface --------------------------------------------------------------------
@@ -264,8 +281,10 @@ class OnlineVariationalFilter:
             initialise(self.guide, context, prior, laplace=self.initialize == "laplace" and not missing)
             check_marginal(self.guide, where)
         self._optimiser.fit(context, self._value)
-        check_marginal(self.guide, where)
+        if self._optimiser.iterations or self.initialize == "previous":  # else the start, checked above
+            check_marginal(self.guide, where)
         assimilate(self, context)
+        self._optimiser.checked = None  # its draws and their graph are the step's only
         marginal, kernel = self.guide.freeze()
         if self.t > 0:
             self._kernels.append(kernel)

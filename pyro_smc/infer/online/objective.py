@@ -12,7 +12,9 @@ from ``q_t(x_t) q_t(x_{t-1} | x_t)`` is::
 ``E[U_{t-1}(x_{t-1}) + delta]`` where ``U_{t-1}`` is the regression of the past (the running
 lower bound on ``log p(y_{1:t})`` is that expectation). :func:`draw` samples the pair,
 :func:`increment` evaluates ``delta`` per sample, and :class:`StepOptimiser` maximises the
-reparameterised Monte Carlo estimate by Adam.
+reparameterised Monte Carlo estimate by Adam, until the gradient rule of
+:mod:`~pyro_smc.infer.online.stopping` finds nothing more to resolve (before the first iteration
+when the start is optimal).
 
 Example:
     >>> import torch
@@ -36,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -45,9 +48,10 @@ from torch import Tensor
 from pyro_smc.guides.streaming.family import StreamingFamily
 from pyro_smc.guides.streaming.frame import StepFrame
 from pyro_smc.infer.online.context import StepContext
+from pyro_smc.infer.online.stopping import CHECK_EVERY, group_gradients, signal_to_noise
 from pyro_smc.regression import Regressor
 
-__all__ = ["STOP_WINDOW", "Draw", "StepOptimiser", "converged", "draw", "increment"]
+__all__ = ["STOP_WINDOW", "Checked", "Draw", "StepOptimiser", "check_gradients", "converged", "draw", "increment"]
 
 STOP_WINDOW = 10
 """``k`` of the stopping rule: the windows of :func:`converged` are ``k`` iterations long."""
@@ -89,6 +93,23 @@ class Draw(NamedTuple):
     x_t: Tensor
     kernel: TorchDistribution | None
     x_prev: Tensor | None
+
+
+class Checked(NamedTuple):
+    """The draws of the gradient check that stopped a step (:mod:`~pyro_smc.infer.online.stopping`),
+    from the guide as fitted: the step's estimate is made from them.
+
+    Attributes:
+        pairs: the draws (``x_t`` and ``x_prev`` detached).
+        delta: their increments ``(M,)`` (detached).
+        state: the model's ``state`` after the step at those draws.
+        z: the check's signal-to-noise ratio.
+    """
+
+    pairs: Draw
+    delta: Tensor
+    state: dict
+    z: float
 
 
 def draw(guide: StreamingFamily, context: StepContext, num_samples: int, reparameterise: bool) -> Draw:
@@ -135,23 +156,31 @@ class StepOptimiser:
         initial_lr: the rate at ``t = 0``.
         num_iterations: Adam iterations per step (0: leave the guide as it is).
         num_samples: Monte Carlo samples per iteration.
-        tol: the stopping rule's relative tolerance (``None``: always run ``num_iterations``):
-            after each iteration ``i >= 2 k - 1`` (``k =`` :data:`STOP_WINDOW`) the step stops when
-            the mean objective of the last ``k`` iterations exceeds that of the ``k`` before by less
-            than ``tol`` times its absolute value (:func:`converged`).
+        tol: the objective rule's relative tolerance (``None``: off): after each iteration
+            ``i >= 2 k - 1`` (``k =`` :data:`STOP_WINDOW`) the step stops when the mean objective of
+            the last ``k`` iterations exceeds that of the ``k`` before by less than ``tol`` times its
+            absolute value (:func:`converged`).
+        stop_sigmas: the gradient rule (``None``: off): before the first iteration and every
+            :data:`~pyro_smc.infer.online.stopping.CHECK_EVERY` after, the step stops when the
+            signal-to-noise ratio of its whitened gradient on ``check_samples`` fresh draws is at
+            most ``stop_sigmas`` (:mod:`~pyro_smc.infer.online.stopping`).
+        check_samples: the gradient rule's draws per check (at least 2).
 
     Attributes:
         optim: the last step's Adam (over the whitened variables; ``None`` before the first).
         iterations: the number of iterations the last :meth:`fit` ran (0 before the first).
+        checked: the check that stopped the last :meth:`fit` (``None`` when none did), whose
+            draws are from the guide as fitted.
     """
 
-    def __init__(self, guide: StreamingFamily, *, lr: float, initial_lr: float, num_iterations: int, num_samples: int, tol: float | None = None):
+    def __init__(self, guide: StreamingFamily, *, lr: float, initial_lr: float, num_iterations: int, num_samples: int, tol: float | None = None, stop_sigmas: float | None = None, check_samples: int = 256):
         self.guide = guide
         self.lr, self.initial_lr = lr, initial_lr
         self.num_iterations, self.num_samples = num_iterations, num_samples
-        self.tol = tol
+        self.tol, self.stop_sigmas, self.check_samples = tol, stop_sigmas, check_samples
         self.optim: torch.optim.Optimizer | None = None
         self.iterations = 0
+        self.checked: Checked | None = None
 
     def fit(self, context: StepContext, value: Regressor | None) -> None:
         """Runs the step's iterations; ``value`` is ``U_{t-1}`` (``None`` at the first step).
@@ -161,6 +190,7 @@ class StepOptimiser:
         """
         n = self.num_iterations
         self.iterations = 0
+        self.checked = None
         if n == 0:
             return
         values: list[float] = []
@@ -171,6 +201,11 @@ class StepOptimiser:
         self.optim = torch.optim.Adam(list(w.values()), lr=self.lr)
         lr = self.initial_lr if context.t == 0 else self.lr
         for i in range(n):
+            if self.stop_sigmas is not None and i % CHECK_EVERY == 0:
+                self.checked = self._check(context, value, named, frame, w)
+                if self.checked.z <= self.stop_sigmas:
+                    break
+                self.checked = None
             for group in self.optim.param_groups:
                 group["lr"] = lr * 0.1 ** (i / n)
             pairs = draw(self.guide, context, self.num_samples, reparameterise=True)
@@ -202,3 +237,43 @@ class StepOptimiser:
             self.iterations = i + 1
             if self.tol is not None and converged(values, self.tol, STOP_WINDOW):
                 break
+
+    def _check(self, context: StepContext, value: Regressor | None, named: list, frame: StepFrame, w: dict[str, Tensor]) -> Checked:
+        """The gradient rule's check at the guide's current parameters (``frame.parameters(w)``)."""
+        G, checked = check_gradients(self.guide, context, value, named, frame, w, self.check_samples)
+        return checked._replace(z=signal_to_noise(G))
+
+
+def check_gradients(
+    guide: StreamingFamily, context: StepContext, value: Regressor | None, named: list, frame: StepFrame, w: dict[str, Tensor], num_samples: int
+) -> tuple[Tensor, Checked]:
+    """The whitened gradients of the step's objective on ``num_samples`` fresh reparameterised
+    draws, per group (:func:`~pyro_smc.infer.online.stopping.group_gradients`), ``(K, P)``, and
+    the draws with their increments (``z`` left at ``nan``).
+
+    The model's part of the objective, ``log f + log g + log q_{t-1} + U_{t-1}``, depends on the
+    variational parameters only through the draws, and each draw's value only on that draw: one
+    plain backward pass gives its gradient in every draw, and only the guide's small graph is
+    differentiated per group, through the surrogate
+    ``<grad_x, x(phi)> - log q_t(x_t) - log q_t(x_{t-1} | x_t)``, whose gradient is the
+    objective's (a batched pass through the model's graph costs about twice as much).
+    """
+    pairs = draw(guide, context, num_samples, reparameterise=True)
+    x_t = pairs.x_t.detach().requires_grad_(True)
+    x_prev = None if pairs.x_prev is None else pairs.x_prev.detach().requires_grad_(True)
+    log_joint, state = context.log_joint(x_prev, x_t)
+    guide_part = pairs.marginal.log_prob(pairs.x_t)
+    model_part, leaves, draws = log_joint, [x_t], [pairs.x_t]
+    if x_prev is not None:
+        guide_part = guide_part + pairs.kernel.log_prob(pairs.x_prev)
+        model_part = model_part + context.previous.log_prob(x_prev)
+        leaves, draws = [x_t, x_prev], [pairs.x_t, pairs.x_prev]
+    objective = model_part if x_prev is None else model_part + value(x_prev).reshape(-1)
+    grads = torch.autograd.grad(objective.sum(), leaves, allow_unused=True) if objective.requires_grad else [None] * len(leaves)
+    surrogate = -guide_part
+    for g, x in zip(grads, draws):
+        if g is not None:
+            surrogate = surrogate + (g.detach() * x).sum(-1)
+    G = group_gradients(surrogate, named, frame, w)
+    detached = Draw(pairs.marginal, pairs.x_t.detach(), pairs.kernel, None if pairs.x_prev is None else pairs.x_prev.detach())
+    return G, Checked(detached, (model_part - guide_part).detach(), state, math.nan)

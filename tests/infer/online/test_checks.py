@@ -108,7 +108,9 @@ def test_a_step_whose_kernel_leaves_the_value_regression_warns():
     model = AR1(2, r=1e-2)
     ys = model.simulate(4, seed=0)
     pyro.set_rng_seed(0)
-    vf = OnlineVariationalFilter(model, StreamingFilterGuide(2), num_iterations=1, lr=10.0)
+    # stop_sigmas=None: the exact start passes the gradient check, and the step must iterate;
+    # initial_lr=0.03: step 0 stays sane, so that step 1's iteration is the first at lr=10.
+    vf = OnlineVariationalFilter(model, StreamingFilterGuide(2), num_iterations=1, lr=10.0, initial_lr=0.03, stop_sigmas=None)
     with pytest.warns(OnlineFilterWarning, match=r"step 1\b.*num_iterations.*lr"):
         vf.run(ys)
 
@@ -247,7 +249,8 @@ def test_an_optimisation_that_overflows_is_an_error_naming_the_step(dtype):
     """lr=100 (a 1000-fold initial rate) sends the log sds to +-1000: before, the next iteration's
     Normal rejected its scale ("Expected parameter scale ... found invalid values"), naming no step."""
     model = AR1(2, r=1e-2, dtype=dtype)
-    vf = OnlineVariationalFilter(model, StreamingFilterGuide(2).to(dtype), num_iterations=2, lr=100.0, num_regression_samples=16)
+    # stop_sigmas=None: the exact start passes the gradient check, and the step must iterate.
+    vf = OnlineVariationalFilter(model, StreamingFilterGuide(2).to(dtype), num_iterations=2, lr=100.0, num_regression_samples=16, stop_sigmas=None)
     with pyro.validation_enabled(True), pytest.raises(ValueError, match=r"at step 0: .*not finite.*lr is too large"):
         vf.step(model.simulate(1, seed=0)[0])
     assert vf.t == 0
@@ -318,11 +321,18 @@ def test_a_start_with_a_zero_standard_deviation_is_an_error_naming_the_step(monk
 
     real = online_init.regression_kernel
 
-    def underflowing(x, x_prev, **kwargs):
-        weight, bias, tril = real(x, x_prev, **kwargs)
+    def underflowing(x, x_prev, kernel=None, **kwargs):
+        weight, bias, tril = real(x, x_prev, **kwargs) if kernel is None else kernel
         return weight, bias, tril * torch.tensor([0.0, 1.0], dtype=tril.dtype)[:, None]  # row 0 underflows
 
     monkeypatch.setattr(online_init, "regression_kernel", underflowing)
+    real_joint = online_init._joint_prediction
+
+    def underflowing_joint(*args):  # the start's kernel from the control-variate prediction
+        m, cov, kernel = real_joint(*args)
+        return m, cov, underflowing(None, None, kernel=kernel)
+
+    monkeypatch.setattr(online_init, "_joint_prediction", underflowing_joint)
     model = AR1(2, r=0.5)
     vf = OnlineVariationalFilter(model, StreamingFilterGuide(2), num_iterations=1, num_regression_samples=16)
     ys = model.simulate(2, seed=0)

@@ -281,6 +281,7 @@ INVALID = {
     "initialize": ["prior", None, 1],
     "regressor": ["cubic", None, 3],
     "state_key": [3],
+    "stop_sigmas": [math.nan, math.inf, -math.inf, "3", True],
 }
 
 

@@ -1,4 +1,5 @@
-"""The per-step stopping rule of OnlineVariationalFilter (``tol``)."""
+"""The objective stopping rule of OnlineVariationalFilter (``tol``), alone: ``stop_sigmas=None``
+turns the default gradient rule off (tests/infer/online/test_stopping.py tests that one)."""
 
 import pyro
 import pytest
@@ -28,9 +29,10 @@ def _tracking_error(ssm, ys, vf) -> float:
 
 
 def test_tol_tracks_kalman_and_stops_early():
-    # Seeds 0..4 measured 0.038-0.045 with tol=1e-3 (about 21 iterations a step, of 100).
+    # Seeds 0..4 measured 0.035-0.044 with tol=1e-3 (about 21 iterations a step, of 100; float32),
+    # from an exact start: the 20 iterations the rule needs add their Monte Carlo noise.
     ssm, ys = _stream(0)
-    vf = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), tol=1e-3).run(ys)
+    vf = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), tol=1e-3, stop_sigmas=None).run(ys)
     assert _tracking_error(ssm, ys, vf) <= 0.05
     iterations = vf.result.iterations
     assert iterations.shape == (len(ys),)
@@ -40,9 +42,9 @@ def test_tol_tracks_kalman_and_stops_early():
 
 def test_tol_stops_early_and_none_runs_every_iteration():
     ssm, ys = _stream(1, T=4)
-    stopped = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=60, tol=1e-2).run(ys)
+    stopped = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=60, tol=1e-2, stop_sigmas=None).run(ys)
     assert bool((stopped.result.iterations < 60).all())
-    full = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=60, tol=None).run(ys)
+    full = OnlineVariationalFilter(ssm, StreamingFilterGuide(2), num_iterations=60, tol=None, stop_sigmas=None).run(ys)
     assert full.result.iterations.tolist() == [60] * len(ys)
 
 
