@@ -40,7 +40,20 @@ class PlanKernel(NamedTuple):
     ``a = exp(log_a)``, ``b = exp(log_b)``: the working kernel ``K`` ``(B, N, M)`` (rows and
     columns of zero-mass points zeroed) and the scalings ``u`` ``(B, N)``, ``v`` ``(B, M)`` of
     the last (exact) row update. Callers that need the plan reuse it instead of rebuilding
-    ``exp((f + g - C) / eps)``: a few passes and an exp over ``(B, N, M)``."""
+    ``exp((f + g - C) / eps)``: a few passes and an exp over ``(B, N, M)``.
+
+    Example:
+        >>> import math, torch
+        >>> from pyro_smc.ops.sinkhorn import SinkhornSettings, transport_plan
+        >>> from pyro_smc.ops.sinkhorn_solver import solve_with_plan
+        >>> cost = torch.rand(2, 4, 4, dtype=torch.float64)
+        >>> log_w = torch.full((2, 4), -math.log(4), dtype=torch.float64)
+        >>> result, (K, u, v) = solve_with_plan(cost, log_w, log_w, SinkhornSettings(0.5))
+        >>> plan = (log_w.exp() * u).unsqueeze(-1) * K * (log_w.exp() * v).unsqueeze(-2)
+        >>> direct = transport_plan(cost, log_w, log_w, result.f, result.g, 0.5)
+        >>> torch.allclose(plan, direct)
+        True
+    """
 
     kernel: Tensor
     u: Tensor
