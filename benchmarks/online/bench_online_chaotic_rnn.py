@@ -12,8 +12,9 @@ Methods, all filtering ``p(x_t | y_{0:t})`` online:
   (``ChaoticRNN``: latent site ``x_t``, Student-t observation site), guide
   ``StreamingFilterGuide(5, covariance="full")`` with linear backward kernels,
   ``initialize="laplace"`` (one Newton step on the Student-t log-likelihood from the prediction;
-  skipped where its curvature is not negative definite), 20 Adam iterations of 32 samples per
-  step, quadratic value regression on 256 samples. Its filtering mean is the guide's marginal mean.
+  skipped where its curvature is not negative definite), at most 20 Adam iterations of 32 samples
+  per step (the gradient stopping rule ``stop_sigmas=3``, the library default, may stop a step
+  earlier: ``iterations_per_step_mean`` in the JSON), quadratic value regression on 256 samples. Its filtering mean is the guide's marginal mean.
 * ``ekf``: ``pyro_smc.infer.extended_kalman_filter`` on the same dynamics as a
   ``NonlinearGaussianSSM`` whose observation noise is a Gaussian *surrogate* of the Student-t
   (df = 2 has infinite variance): ``N(0, s^2 I)`` with ``s = 0.1 * q_t2(0.75) / q_N(0.75) = 0.1211``,
@@ -137,7 +138,7 @@ def run_vf(W, ys, args, seed):
         vf.step(y)
         means.append(vf.filtering_distribution().mean)
         elbos.append(float(vf.elbo))
-    return torch.stack(means), {"final_elbo": elbos[-1]}
+    return torch.stack(means), {"final_elbo": elbos[-1], "iterations_per_step_mean": float(vf.result.iterations.double().mean())}
 
 
 def run_ekf(W, ys, obs_std=SURROGATE_STD):
@@ -198,7 +199,8 @@ def main():
     protocol = {
         "paper": "Campbell et al. (2021) sec. 5.2 / authors' config: d=5, grid_size 0.001, gamma 2.5, tau 0.025, U_std 0.1, V_scale 0.1, V_df 2, "
         "num_data 500; phi: 500 Adam iterations/step (lr 1e-2, 10 samples), MLP backward kernel (100 hidden), kernel ridge regression",
-        "here": f"T={T}, {seeds} seed(s), float32; vf: {args.num_iterations} Adam iterations x {args.num_samples} samples (lr {args.lr}), "
+        "here": f"T={T}, {seeds} seed(s), float32; vf: at most {args.num_iterations} Adam iterations x {args.num_samples} samples (lr {args.lr}, "
+        "stop_sigmas=3, the default), "
         f"{args.covariance}-covariance guide with linear backward kernels, {args.regressor} regression on {args.num_regression_samples} samples, "
         f"initialize='laplace'; reference PF {n_ref} particles; small PF {args.small_particles} particles x {args.small_runs} runs",
         "deviations": [
@@ -243,7 +245,14 @@ def main():
                     # pyro.infer.smcfilter._systematic_sample: a float32 cumsum of 10^4 weights can end
                     # below 1 - 1/N, and the resampling index then reaches N. Rerun in float64.
                     print(f"seed {seed} SMCFilter (float32) failed: IndexError: {error}; rerunning in float64", flush=True)
-                    means, extra = run_smcfilter(W.double(), ys.double(), n_ref, 4000 + seed)
+                    # The guide's and the model's own tensors (their initial states) follow the
+                    # default dtype: float64 for the whole rerun, not only for W and ys.
+                    default = torch.get_default_dtype()
+                    torch.set_default_dtype(torch.float64)
+                    try:
+                        means, extra = run_smcfilter(W.double(), ys.double(), n_ref, 4000 + seed)
+                    finally:
+                        torch.set_default_dtype(default)
                     means = means.float()
                     extra = {"float32_error": f"IndexError: {error}", "dtype": "float64"}
             elif method == "pf100":
