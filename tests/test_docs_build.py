@@ -244,15 +244,15 @@ def _check_names_linked(html: pathlib.Path) -> None:
     assert not missing, "Pyro/PyTorch names in inline code without a link (add them to docs/_inventories/objects.txt): " + repr(missing)
 
 
-# The docstrings whose formulas are typeset (:math:`...`) rather than shown as ASCII literals, and
-# the API pages that document them: SMC, SMCELBO, EPSmoother and OnlineVariationalFilter (api/pyro_smc),
-# the resamplers, the Kronecker and streaming guides (api/guides), the models, MatrixNormal and the GPs.
-_MATHS_SOURCES = [
-    "pyro_smc/infer/smc/engine.py", "pyro_smc/infer/smc/elbo.py", "pyro_smc/resamplers/*.py", "pyro_smc/infer/gaussian/ep.py",
-    "pyro_smc/guides/kronecker/*.py", "pyro_smc/distributions.py", "pyro_smc/infer/online/filter.py",
-    "pyro_smc/guides/streaming/guide.py", "pyro_smc/models/linear_gaussian.py", "pyro_smc/models/nonlinear_gaussian.py", "pyro_smc/gp.py",
+# The docstrings whose formulas are typeset (:math:`...`) rather than shown as ASCII literals: every
+# module of the package. The API pages listed must show typeset maths: the engines (api/pyro_smc), the
+# result types, schedules and factors (api/infer), the resamplers, guides, models, MatrixNormal, the
+# GPs and the tensor operations (api/ops).
+_MATHS_SOURCES = ["pyro_smc/**/*.py"]
+_MATHS_PAGES = [
+    "api/pyro_smc.html", "api/infer.html", "api/resamplers.html", "api/guides.html", "api/models.html",
+    "api/distributions.html", "api/gp.html", "api/ops.html",
 ]
-_MATHS_PAGES = ["api/pyro_smc.html", "api/resamplers.html", "api/guides.html", "api/models.html", "api/distributions.html", "api/gp.html"]
 # A double-backtick literal that is an ASCII formula: a sum or product (sum_j, prod_k), a transpose
 # (B^T), an estimate (log Z_hat), a Gaussian law (x ~ N(...)), a Kronecker product or a log-density.
 _LITERAL = re.compile(r"``(.+?)``", re.S)
@@ -282,15 +282,17 @@ def test_formula_literals_finds_ascii_maths_only():
 
 
 def _check_docstring_maths(html: pathlib.Path) -> None:
-    """The API pages of the engines, resamplers, guides, models and distributions typeset their
-    formulas, and no docstring of the modules behind them still writes one as an ASCII literal."""
+    """The API pages of the engines, their helpers, resamplers, guides, models, distributions and
+    tensor operations typeset their formulas, and no docstring of the package still writes one as
+    an ASCII literal."""
     without = [page for page in _MATHS_PAGES if 'class="math' not in (html / page).read_text(encoding="utf-8")]
     assert not without, f"API pages without typeset maths (a formula written as ``...`` instead of :math:`...`?): {without}"
     left = {}
-    for pattern in _MATHS_SOURCES:
-        for path in sorted(ROOT.glob(pattern)):
-            if hits := formula_literals(path.read_text(encoding="utf-8")):
-                left[str(path.relative_to(ROOT))] = hits
+    sources = sorted({path for pattern in _MATHS_SOURCES for path in ROOT.glob(pattern)})
+    assert len(sources) >= 50, f"the maths check read {len(sources)} modules: is _MATHS_SOURCES' pattern right?"
+    for path in sources:
+        if hits := formula_literals(path.read_text(encoding="utf-8")):
+            left[str(path.relative_to(ROOT))] = hits
     assert not left, "formulas written as ``...`` literals; write them as :math:`...` (a raw docstring, r\"\"\"): " + repr(left)
 
 

@@ -1,11 +1,13 @@
-"""The chaotic recurrent neural network of Campbell et al. (2021), with Student-t observations.
+r"""The chaotic recurrent neural network of Campbell et al. (2021), with Student-t observations.
 
-    x_t = x_{t-1} + (Delta / tau) (-x_{t-1} + gamma W tanh(x_{t-1})) + N(0, q^2 I)
-    y_t = x_t + StudentT(df, 0, r) per coordinate
+.. math::
 
-a discretised continuous-time RNN in its chaotic regime (``gamma = 2.5``), ``W_ij ~ N(0, 1/d)``;
-the paper's setting is ``d = 5``, ``Delta = 0.001``, ``tau = 0.025``, ``q = 0.1``, ``r = 0.1``,
-``df = 2`` (the authors' configuration), ``x_1 ~ N(0, I)``. ``step`` follows the ``init``/``step``
+    x_t &= x_{t-1} + (\Delta / \tau) (-x_{t-1} + \gamma W \tanh(x_{t-1})) + \mathcal N(0, q^2 I), \\
+    y_t &= x_t + \operatorname{StudentT}(\nu, 0, r) \text{ per coordinate},
+
+a discretised continuous-time RNN in its chaotic regime (:math:`\gamma = 2.5`), :math:`W_{ij} \sim \mathcal N(0, 1/d)`;
+the paper's setting is :math:`d = 5`, :math:`\Delta = 0.001`, :math:`\tau = 0.025`, :math:`q = 0.1`, :math:`r = 0.1`,
+:math:`\nu = 2` (``df``; the authors' configuration), :math:`x_1 \sim \mathcal N(0, I)`. ``step`` follows the ``init``/``step``
 protocol of :class:`~pyro_smc.SMC` and :class:`~pyro_smc.OnlineVariationalFilter` (the model is a
 :class:`~pyro_smc.models.protocol.StateSpaceModel`, not a Gaussian one);
 :meth:`ChaoticRNN.as_nonlinear_gaussian` gives the same dynamics with a Gaussian observation
@@ -148,10 +150,11 @@ class ChaoticRNN(PyroModule):
         return torch.stack(xs), torch.stack(ys)
 
     def as_nonlinear_gaussian(self, observation_sd: float | None = None) -> NonlinearGaussianSSM:
-        """The same dynamics with Gaussian observation noise of standard deviation ``observation_sd``.
+        r"""The same dynamics with Gaussian observation noise of standard deviation ``observation_sd``.
 
         The default matches the Student-t's interquartile range (a ``df = 2`` t has infinite variance):
-        ``sd = r * t_{0.75}(df) / z_{0.75}``.
+        :math:`\mathrm{sd} = r \, t_{0.75}(\nu) / z_{0.75}` (:math:`t_{0.75}(\nu)`, :math:`z_{0.75}` the upper quartiles of the t with :math:`\nu` = ``df``
+        degrees of freedom and of the normal).
         """
         if observation_sd is None:
             observation_sd = self.observation_scale * _t_upper_quartile(self.observation_df) / 0.6744897501960817

@@ -1,4 +1,4 @@
-"""A deep state-space model and an amortised proposal for it, learned with ``SMCELBO``.
+r"""A deep state-space model and an amortised proposal for it, learned with ``SMCELBO``.
 
 See ``docs/math/smc.md#a-neural-state-space-model``.
 
@@ -20,7 +20,7 @@ Each network's last layer starts at zero, so an untrained model is a Gaussian ra
 an untrained proposal is a random walk with scale ``proposal_scale``.
 
 Since the emission is linear-Gaussian, the model's *locally optimal* proposal
-``p(x_t | x_{t-1}, y_t)`` is Gaussian in closed form: :class:`LocallyOptimalProposal` draws from it
+:math:`p(x_t \mid x_{t-1}, y_t)` is Gaussian in closed form: :class:`LocallyOptimalProposal` draws from it
 (a fully adapted filter, whose weights do not depend on the new state). It has no parameters of
 its own: it is the yardstick for a learned proposal and the low-variance way to estimate a
 trained model's evidence.
@@ -147,7 +147,7 @@ class NeuralSSM(PyroModule):
         return x @ self.emission_weight.T + self.emission_bias
 
     def init(self, state: dict) -> None:
-        """Starts a sequence; the first :meth:`step` draws ``x_0`` from ``N(0, s_0^2 I)``."""
+        r"""Starts a sequence; the first :meth:`step` draws :math:`x_0` from :math:`\mathcal N(0, s_0^2 I)`."""
         self._t = 0
 
     def step(self, state: dict, y: Tensor | None = None) -> Tensor:
@@ -182,7 +182,7 @@ class NeuralSSM(PyroModule):
 
 
 class NeuralProposal(PyroModule):
-    """Amortised Gaussian proposal ``q_phi(x_t | x_{t-1}, y_t)`` for a :class:`NeuralSSM`.
+    r"""Amortised Gaussian proposal :math:`q_\phi(x_t \mid x_{t-1}, y_t)` for a :class:`NeuralSSM`.
 
     It reads ``state["x"]`` (``x_{t-1}``; zero at ``t = 0``) and the observation, and samples the
     model's ``x_t`` site. It depends on the model only through its dimensions, so its parameters
@@ -197,7 +197,7 @@ class NeuralProposal(PyroModule):
         ValueError: a non-positive ``hidden_dim`` or ``proposal_scale``.
 
     Example:
-        The proposal in a particle filter: ``log Z_hat`` reaches its parameters.
+        The proposal in a particle filter: :math:`\log \hat Z` reaches its parameters.
 
         >>> import torch
         >>> from pyro_smc import SMC
@@ -229,7 +229,7 @@ class NeuralProposal(PyroModule):
         self._t = 0
 
     def step(self, state: dict, y: Tensor) -> None:
-        """Samples ``x_t`` from ``q_phi(. | x_{t-1}, y_t)``."""
+        r"""Samples :math:`x_t` from :math:`q_\phi(\cdot \mid x_{t-1}, y_t)`."""
         t, d = self._t, self.state_dim
         first = "x" not in state
         x_prev = y.new_zeros(y.shape[:-1] + (d,)) if first else state["x"]
@@ -243,14 +243,16 @@ class NeuralProposal(PyroModule):
 
 
 class LocallyOptimalProposal:
-    """The exact ``p(x_t | x_{t-1}, y_t)`` of a :class:`NeuralSSM`: a Gaussian in closed form.
+    r"""The exact :math:`p(x_t \mid x_{t-1}, y_t)` of a :class:`NeuralSSM`: a Gaussian in closed form.
 
-    With prior ``x_t | x_{t-1} ~ N(mu, diag(v))`` (``mu = x_{t-1} + MLP(x_{t-1})``, ``v = q^2``; at
-    ``t = 0``, ``mu = 0``, ``v = s_0^2``) and ``y_t | x_t ~ N(W x_t + b, diag(r^2))``::
+    With prior :math:`x_t \mid x_{t-1} \sim \mathcal N(\mu, \operatorname{diag}(v))` (:math:`\mu = x_{t-1} + \mathrm{MLP}(x_{t-1})`, :math:`v = q^2`; at
+    :math:`t = 0`, :math:`\mu = 0`, :math:`v = s_0^2`) and :math:`y_t \mid x_t \sim \mathcal N(W x_t + b, \operatorname{diag}(r^2))`,
 
-        P = (diag(1 / v) + W^T diag(1 / r^2) W)^{-1},     m = P (mu / v + W^T ((y_t - b) / r^2))
+    .. math::
 
-    The filter's weight increment is then ``p(y_t | x_{t-1})``, the same for every draw of
+        P = (\operatorname{diag}(1 / v) + W^\top \operatorname{diag}(1 / r^2) W)^{-1}, \qquad m = P (\mu / v + W^\top ((y_t - b) / r^2)).
+
+    The filter's weight increment is then :math:`p(y_t \mid x_{t-1})`, the same for every draw of
     ``x_t``. It reads the model's parameters each step (gradients reach them), has none of its own,
     and needs the observation at every step it is called.
 

@@ -7,8 +7,8 @@ See ``docs/math/smc.md#state-space-model-and-proposal`` and ``docs/math/ep.md#mo
 with its dimensions and a simulator. :class:`GaussianStateSpaceModel` adds what the Gaussian
 engines (:class:`~pyro_smc.EPSmoother` and the Gaussian filters and smoothers) read, for
 
-``x_0 ~ N(init_mean, init_cov)``, ``x_{t+1} = f(x_t, t) + w_t``, ``w_t ~ N(0, transition_cov)``,
-``y_t = g(x_t, t) + v_t``, ``v_t ~ N(0, observation_cov)``, with ``t`` the 0-based time index.
+:math:`x_0 \sim \mathcal N(\mathtt{init\_mean}, \mathtt{init\_cov})`, :math:`x_{t+1} = f(x_t, t) + w_t`, :math:`w_t \sim \mathcal N(0, \mathtt{transition\_cov})`,
+:math:`y_t = g(x_t, t) + v_t`, :math:`v_t \sim \mathcal N(0, \mathtt{observation\_cov})`, with :math:`t` the 0-based time index.
 
 ``transition_fn``/``observation_fn`` are what the projections
 (:mod:`pyro_smc.infer.gaussian.projections`) take: either a callable ``fn(x, t)`` batched over the

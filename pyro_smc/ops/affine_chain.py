@@ -1,39 +1,47 @@
 r"""Filtering and smoothing of a time-varying affine linear-Gaussian chain by parallel scans.
 
-The model, for ``t = 0..T-1`` (0-based)::
+The model, for :math:`t = 0, \dots, T-1` (0-based):
 
-    x_0 ~ N(m_0, P_0),   x_{t+1} = F_t x_t + c_t + w_t,  w_t ~ N(0, Q_t),
-    r_t = H_t x_t + v_t,  v_t ~ N(0, R_t),
+.. math::
+
+    & x_0 \sim \mathcal N(m_0, P_0), \quad x_{t+1} = F_t x_t + c_t + w_t, \quad w_t \sim \mathcal N(0, Q_t), \\
+    & r_t = H_t x_t + v_t, \quad v_t \sim \mathcal N(0, R_t),
 
 with the entries of ``r_t`` where ``observed[t]`` is false missing. As in
 :func:`pyro_smc.ops.kalman.masked_update`, a missing entry gets a zero row of ``H_t``, residual 0
 and unit noise uncorrelated with the rest, so shapes stay fixed and every step batches.
 
 :func:`affine_chain_smoother` runs either a plain loop (``parallel=False``) or two associative
-scans of depth ``O(log T)`` (Särkkä & García-Fernández, 2021, IEEE TAC 66(1)).
+scans of depth :math:`O(\log T)` (Särkkä & García-Fernández, 2021, IEEE TAC 66(1)).
 
-**Filter.** Element ``t`` is the pair ``p(x_t | x_{t-1}, r_t) = N(A x_{t-1} + b, C)`` and the
-likelihood of ``x_{t-1}`` given ``r_t``, ``exp(-x^T J x / 2 + eta^T x)``. With
-``S = H Q H^T + R`` and ``K = Q H^T S^{-1}`` (all at ``t``, ``F, c, Q`` at ``t-1``)::
+**Filter.** Element :math:`t` is the pair :math:`p(x_t \mid x_{t-1}, r_t) = \mathcal N(A x_{t-1} + b, C)` and the
+likelihood of :math:`x_{t-1}` given :math:`r_t`, :math:`\exp(-x^\top J x / 2 + \eta^\top x)`. With
+:math:`S = H Q H^\top + R` and :math:`K = Q H^\top S^{-1}` (all at :math:`t`, :math:`F, c, Q` at :math:`t-1`):
 
-    A = (I - K H) F,  b = c + K (r - H c),  C = (I - K H) Q,
-    eta = F^T H^T S^{-1} (r - H c),  J = F^T H^T S^{-1} H F,
+.. math::
 
-and element 0 is the filtered posterior at ``t = 0`` itself (``A = 0``, ``eta = 0``, ``J = 0``).
-Two elements ``i`` (earlier) and ``j`` (later) combine, by marginalising the middle state, into::
+    & A = (I - K H) F, \quad b = c + K (r - H c), \quad C = (I - K H) Q, \\
+    & \eta = F^\top H^\top S^{-1} (r - H c), \quad J = F^\top H^\top S^{-1} H F,
 
-    A_ij = A_j M^{-1} A_i,                 b_ij = A_j M^{-1} (b_i + C_i eta_j) + b_j,
-    C_ij = A_j M^{-1} C_i A_j^T + C_j,     eta_ij = A_i^T M^{-T} (eta_j - J_j b_i) + eta_i,
-    J_ij = A_i^T M^{-T} J_j A_i + J_i,     M = I + C_i J_j,
+and element 0 is the filtered posterior at :math:`t = 0` itself (:math:`A = 0, \eta = 0, J = 0`).
+Two elements :math:`i` (earlier) and :math:`j` (later) combine, by marginalising the middle state, into
 
-so the inclusive prefix ending at ``t`` has ``A = 0`` and ``(b, C)`` = the filtered moments at ``t``.
+.. math::
 
-**Smoother.** Element ``t < T-1`` is the backward kernel ``p(x_t | x_{t+1}, r_{0:t}) =
-N(E x_{t+1} + g, L)`` with ``E = P_t F_t^T (P^-_{t+1})^{-1}``, ``g = m_t - E m^-_{t+1}``,
-``L = P_t - E F_t P_t`` (filtered ``m, P``, predicted ``m^-, P^-``); the last is
-``(0, m_{T-1}, P_{T-1})``. Composing the affine maps, ``(E, g, L)`` at ``t`` then suffix ``s``
-gives ``(E_t E_s, E_t g_s + g_t, E_t L_s E_t^T + L_t)``; a reverse scan leaves the smoothed
-moments in ``(g, L)``. Log-evidence increments are ``log N(r_t; H_t m^-_t, H_t P^-_t H_t^T + R_t)``
+    \begin{aligned}
+    A_{ij} &= A_j M^{-1} A_i, & b_{ij} &= A_j M^{-1} (b_i + C_i \eta_j) + b_j, \\
+    C_{ij} &= A_j M^{-1} C_i A_j^\top + C_j, & \eta_{ij} &= A_i^\top M^{-\top} (\eta_j - J_j b_i) + \eta_i, \\
+    J_{ij} &= A_i^\top M^{-\top} J_j A_i + J_i, & M &= I + C_i J_j,
+    \end{aligned}
+
+so the inclusive prefix ending at :math:`t` has :math:`A = 0` and :math:`(b, C)` = the filtered moments at :math:`t`.
+
+**Smoother.** Element :math:`t < T-1` is the backward kernel :math:`p(x_t \mid x_{t+1}, r_{0:t}) =
+\mathcal N(E x_{t+1} + g, L)` with :math:`E = P_t F_t^\top (P^-_{t+1})^{-1}`, :math:`g = m_t - E m^-_{t+1}`,
+:math:`L = P_t - E F_t P_t` (filtered ``m, P``, predicted ``m^-, P^-``); the last is
+:math:`(0, m_{T-1}, P_{T-1})`. Composing the affine maps, ``(E, g, L)`` at ``t`` then suffix ``s``
+gives :math:`(E_t E_s, E_t g_s + g_t, E_t L_s E_t^\top + L_t)`; a reverse scan leaves the smoothed
+moments in ``(g, L)``. Log-evidence increments are :math:`\log \mathcal N(r_t; H_t m^-_t, H_t P^-_t H_t^\top + R_t)`
 over the observed entries, batched over ``t`` from the predicted moments.
 
 Example:
@@ -76,16 +84,16 @@ Elems = tuple[Tensor, ...]
 
 
 class AffineChainResult(NamedTuple):
-    """Marginals of :func:`affine_chain_smoother`; ``T`` steps, state dimension ``d``.
+    r"""Marginals of :func:`affine_chain_smoother`; ``T`` steps, state dimension ``d``.
 
     Attributes:
-        predicted_means: ``(T, d)`` of ``p(x_t | r_{<t})``; index 0 is the prior ``m_0``.
+        predicted_means: ``(T, d)`` of :math:`p(x_t \mid r_{<t})`; index 0 is the prior ``m_0``.
         predicted_covariances: ``(T, d, d)``; index 0 is ``P_0``.
-        filtering_means: ``(T, d)`` of ``p(x_t | r_{<=t})``.
+        filtering_means: ``(T, d)`` of :math:`p(x_t \mid r_{\le t})`.
         filtering_covariances: ``(T, d, d)``.
-        means: ``(T, d)`` of ``p(x_t | r_{0:T-1})``.
+        means: ``(T, d)`` of :math:`p(x_t \mid r_{0:T-1})`.
         covariances: ``(T, d, d)``.
-        log_evidence_increments: ``(T,)`` ``log p(r_t | r_{<t})`` over the observed entries;
+        log_evidence_increments: ``(T,)`` :math:`\log p(r_t \mid r_{<t})` over the observed entries;
             exactly 0 at a step with nothing observed.
 
     Example:
@@ -228,13 +236,13 @@ def _parallel(m0: Tensor, P0: Tensor, F: Tensor, c: Tensor, Q: Tensor, H: Tensor
 
 
 def compose_backward_kernels(gains: Tensor, mean_offsets: Tensor, cov_offsets: Tensor, last_mean: Tensor, last_cov: Tensor) -> tuple[Tensor, Tensor]:
-    """The marginals of a chain given backward kernels and its last marginal, by one reverse scan.
+    r"""The marginals of a chain given backward kernels and its last marginal, by one reverse scan.
 
-    With ``x_{T-1} ~ N(last_mean, last_cov)`` and ``x_t | x_{t+1} ~ N(E_t x_{t+1} + g_t, L_t)``,
-    the marginal of ``x_t`` is ``N(m_t, P_t)`` with ``m_t = E_t m_{t+1} + g_t`` and
-    ``P_t = E_t P_{t+1} E_t^T + L_t``: the backward pass of every RTS smoother, where
-    ``E_t = G_t`` is the gain, ``g_t = m^f_t - G_t m^-_{t+1}`` and
-    ``L_t = P^f_t - G_t P^-_{t+1} G_t^T``. Composed as affine maps in an associative scan of
+    With :math:`x_{T-1} \sim \mathcal N(\mathrm{last\_mean}, \mathrm{last\_cov})` and :math:`x_t \mid x_{t+1} \sim \mathcal N(E_t x_{t+1} + g_t, L_t)`,
+    the marginal of ``x_t`` is :math:`\mathcal N(m_t, P_t)` with :math:`m_t = E_t m_{t+1} + g_t` and
+    :math:`P_t = E_t P_{t+1} E_t^\top + L_t`: the backward pass of every RTS smoother, where
+    :math:`E_t = G_t` is the gain, :math:`g_t = m^f_t - G_t m^-_{t+1}` and
+    :math:`L_t = P^f_t - G_t P^-_{t+1} G_t^\top`. Composed as affine maps in an associative scan of
     depth ``O(log T)`` instead of ``T - 1`` small steps; every term of ``P_t`` is a congruence of
     a positive semi-definite ``L``, so the sum loses nothing to cancellation.
 

@@ -22,8 +22,8 @@ the plan and the projection operation by operation. Two facts make this cheap:
 
 * the row normalisation makes ``x_new`` invariant to the source potential ``f``, so the adjoint
   has a zero right-hand side in ``f``;
-* with ``K = P / sqrt(a b^T)`` the column sums of ``P * (G x^T)`` needed for the log-weights are
-  ``x_j . (K^T G)_j``: one ``N x (D + 1)`` product, no ``N x N`` temporary.
+* with :math:`K = P / \sqrt{a b^\top}` the column sums of :math:`P \odot (G x^\top)` needed for the log-weights are
+  :math:`x_j \cdot (K^\top G)_j`: one ``N x (D + 1)`` product, no ``N x N`` temporary.
 
 See ``docs/math/smc.md#optimal-transport-resampling`` and ``docs/math/smc.md#gradient-of-the-ensemble-transform``.
 
@@ -60,14 +60,14 @@ __all__ = ["EnsembleResult", "ensemble_transform", "ensemble_solve"]
 
 
 def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor]:
-    """Returns the cost ``||x_i - x_j||^2 / delta^2`` and ``delta^2 = D max_k var_i(x_ik)``.
+    r"""Returns the cost :math:`\lVert x_i - x_j \rVert^2 / \delta^2` and :math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})`.
 
     ``delta`` is part of the function: it is differentiated like the rest (under autograd here,
     by hand in the fused backward), so the gradient is that of the computed transform and
     matches its finite differences. A degenerate cloud (all particles equal) has nothing to
     transport; its scale is set to 1, a constant, to avoid 0/0.
 
-    The cost is one product of thin matrices, ``[x, |x|^2, 1] [-2 x, 1, |x|^2]^T / delta^2``,
+    The cost is one product of thin matrices, :math:`[x, \lVert x\rVert^2, 1] \, [-2 x, 1, \lVert x\rVert^2]^\top / \delta^2`,
     and one clamp, both over ``(..., N, N)``: the expanded quadratic form of
     :func:`~pyro_smc.ops.sinkhorn.squared_distances` with the scale folded in. With
     ``workspace`` (the fused forward, where the cost dies with the solve) it is written into a
@@ -112,7 +112,7 @@ def _workspace(shape: torch.Size, like: Tensor) -> Tensor | None:
 
 
 def _scale_gradient(x: Tensor, grad_scale2: Tensor) -> Tensor:
-    """``d loss / d x`` through ``delta^2 = D var_k*(x)``, ``k*`` the widest coordinate (zero for
+    r""":math:`\partial \ell / \partial x` through :math:`\delta^2 = D \operatorname{var}_{k^*}(x)`, :math:`k^*` the widest coordinate (zero for
     degenerate clouds, whose scale is the constant 1)."""
     n, d = x.shape[-2:]
     centred = x - x.mean(-2, keepdim=True)
@@ -223,13 +223,13 @@ _LOW_RANK_MAX_WIDTH = 20
 
 
 def _cost_gradient_products(kernel: Tensor, gs: Tensor, x: Tensor, d: Tensor, sqrt_b: Tensor, eps_beta: Tensor, y_t: Tensor) -> tuple[Tensor, Tensor]:
-    """``(H y, H^T y)`` as rows ``(B, q, N)`` for ``y`` given as rows ``y_t`` ``(B, q, N)``, with
-    ``H = K * M`` (elementwise; the factor ``sqrt(a) / eps`` left to the caller) and
-    ``M_ij = eps_beta_j + sqrt(b_j) d_i - sqrt(b_j) G_i . x_j``.
+    r""":math:`(H y, H^\top y)` as rows ``(B, q, N)`` for ``y`` given as rows ``y_t`` ``(B, q, N)``, with
+    :math:`H = K \odot M` (elementwise; the factor :math:`\sqrt{a} / \epsilon` left to the caller) and
+    :math:`M_{ij} = \epsilon \beta_j + \sqrt{b_j} \, d_i - \sqrt{b_j} \, G_i \cdot x_j`.
 
-    ``M`` has rank ``D + 2``: ``M = sum_r A_r B_r^T`` with ``A = [1, d, -G]`` and
-    ``B = [eps_beta, sqrt(b), sqrt(b) x]``, so ``H y = sum_r A_r * K (B_r * y)`` and
-    ``H^T y = sum_r B_r * K^T (A_r * y)``: two products of the kernel with ``(D + 2) q`` thin
+    ``M`` has rank ``D + 2``: :math:`M = \sum_r A_r B_r^\top` with :math:`A = [1, d, -G]` and
+    :math:`B = [\epsilon \beta, \sqrt{b}, \sqrt{b} \, x]`, so :math:`H y = \sum_r A_r \odot K (B_r \odot y)` and
+    :math:`H^\top y = \sum_r B_r \odot K^\top (A_r \odot y)`: two products of the kernel with ``(D + 2) q`` thin
     columns and no ``(N, N)`` temporary. Small ``D`` only: the explicit ``H`` (an ``(N, N)``
     allocation, whose pages fault in afresh on each call, and six passes over it) wins when
     the columns outnumber ``_LOW_RANK_MAX_WIDTH``.
@@ -279,7 +279,7 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
 
     Solves entropic OT from the uniform measure on the particles to the weighted one with the
     scale-normalised squared-distance cost and moves each particle to its barycentric image
-    ``x~_i = sum_j P_ij x_j / sum_j P_ij`` (the row normalisation keeps every new particle a
+    :math:`\tilde x_i = \sum_j P_{ij} x_j / \sum_j P_{ij}` (the row normalisation keeps every new particle a
     convex combination even before convergence). See ``docs/math/smc.md#optimal-transport-resampling``.
 
     Args:

@@ -4,9 +4,9 @@ See ``docs/math/ep.md#the-gradient-of-the-ep-evidence``.
 
 An iteration ``theta <- F(theta, phi)`` that has converged to ``theta* = F(theta*, phi)`` defines
 ``theta*(phi)`` implicitly. Differentiating the fixed-point equation gives
-``d theta* / d phi = (I - F_theta)^{-1} F_phi``, so a loss ``l(theta*)`` with gradient ``g`` at
-``theta*`` has ``dl/dphi = lambda^T F_phi`` where the adjoint ``lambda`` solves
-``lambda = g + F_theta^T lambda``. That equation is itself a fixed-point iteration of
+:math:`d\theta^* / d\phi = (I - F_\theta)^{-1} F_\phi`, so a loss ``l(theta*)`` with gradient ``g`` at
+``theta*`` has :math:`dl / d\phi = \lambda^\top F_\phi` where the adjoint ``lambda`` solves
+:math:`\lambda = g + F_\theta^\top \lambda`. That equation is itself a fixed-point iteration of
 vector-Jacobian products through one evaluation of ``F``, and it converges at the rate of the
 forward iteration (the same Jacobian ``F_theta``, transposed). Nothing of the forward iterations
 is stored: the memory is that of one evaluation of ``F``, however many iterations found
@@ -16,13 +16,13 @@ The plain adjoint iteration needs ``F_theta`` to contract at ``theta*``. An iter
 converged only thanks to damping that changed along the way (the parallel EP schedule adapts its
 damping) can stop at a fixed point where the map evaluated with one fixed damping does not
 contract, although ``I - F_theta`` is invertible and the gradient exists. When the plain
-iteration fails, the adjoint equation ``(I - F_theta^T) lambda = g`` is solved by GMRES instead,
+iteration fails, the adjoint equation :math:`(I - F_\theta^\top) \lambda = g` is solved by GMRES instead,
 from the same vector-Jacobian products: it needs only ``I - F_theta`` invertible.
 
 :func:`implicit_fixed_point` evaluates ``z = F(theta*)`` once with the graph, from a detached copy
 ``u`` of ``theta*``, and registers a hook on ``z`` that replaces the incoming gradient ``g`` by
 the adjoint ``lambda``; autograd then carries ``lambda`` through the graph of ``z`` to ``phi``
-(``lambda^T F_phi``). Anything computed from ``z`` downstream is differentiated as a function of
+(:math:`\lambda^\top F_\phi`). Anything computed from ``z`` downstream is differentiated as a function of
 ``theta*(phi)``.
 
 Example:

@@ -1,9 +1,9 @@
 r"""Gaussians in moment and natural form: conversions, products, division, damping, PSD checks.
 
-A Gaussian ``N(x | m, P)`` has natural parameters ``(eta, Lambda) = (P^{-1} m, P^{-1})``; in this
+A Gaussian :math:`\mathcal N(x \mid m, P)` has natural parameters :math:`(\eta, \Lambda) = (P^{-1} m, P^{-1})`; in this
 form products of densities add and division subtracts, which is how EP combines and removes
-messages. A "message" may be improper (singular ``Lambda``, e.g. a scalar measurement of a
-2-d state) but a posterior or cavity used for a projection must be proper (``Lambda`` positive
+messages. A "message" may be improper (singular :math:`\Lambda`, e.g. a scalar measurement of a
+2-d state) but a posterior or cavity used for a projection must be proper (:math:`\Lambda` positive
 definite), which :func:`is_proper` tests. See ``docs/math/ep.md#gaussian-densities-in-natural-form``.
 
 Example:
@@ -39,7 +39,7 @@ __all__ = [
 
 
 def symmetrize(m: Tensor) -> Tensor:
-    """``(M + M^T) / 2`` over the last two dims.
+    r""":math:`(M + M^\top) / 2` over the last two dims.
 
     Args:
         m: ``(..., d, d)``.
@@ -122,7 +122,7 @@ def check_finite_steps(where: str, quantities: dict[str, Tensor], hint: str = ""
 
 
 def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
-    """``(m, P) -> (P^{-1} m, P^{-1})`` by a Cholesky factorisation.
+    r""":math:`(m, P) \mapsto (P^{-1} m, P^{-1})` by a Cholesky factorisation.
 
     Args:
         mean: ``(..., d)``.
@@ -148,7 +148,7 @@ def to_natural(mean: Tensor, cov: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def to_moment(eta: Tensor, prec: Tensor) -> tuple[Tensor, Tensor]:
-    """``(eta, Lambda) -> (Lambda^{-1} eta, Lambda^{-1})``; ``Lambda`` must be positive definite.
+    r""":math:`(\eta, \Lambda) \mapsto (\Lambda^{-1} \eta, \Lambda^{-1})`; :math:`\Lambda` must be positive definite.
 
     Args:
         eta: ``(..., d)``.
@@ -195,7 +195,7 @@ def multiply(*factors: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
 
 
 def divide(numerator: tuple[Tensor, Tensor], denominator: tuple[Tensor, Tensor], power: float = 1.0) -> tuple[Tensor, Tensor]:
-    """``q / q_i^power`` in natural form: parameters subtract (the EP cavity).
+    r""":math:`q / q_i^{\mathrm{power}}` in natural form: parameters subtract (the EP cavity).
 
     See ``docs/math/ep.md#cavity-and-tilted-distribution`` and ``docs/math/ep.md#power-ep``.
 
@@ -218,7 +218,7 @@ def divide(numerator: tuple[Tensor, Tensor], denominator: tuple[Tensor, Tensor],
 
 
 def damp(old: tuple[Tensor, Tensor], new: tuple[Tensor, Tensor], gamma: float) -> tuple[Tensor, Tensor]:
-    """``(1 - gamma) old + gamma new`` on the natural parameters; ``gamma = 1`` is no damping.
+    r""":math:`(1 - \gamma) \, \mathrm{old} + \gamma \, \mathrm{new}` on the natural parameters; :math:`\gamma = 1` is no damping.
 
     See ``docs/math/ep.md#damping``.
 

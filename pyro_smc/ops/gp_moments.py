@@ -2,13 +2,13 @@ r"""Squared-exponential ARD Gaussian-process posteriors: predictions, linearisat
 moments at Gaussian inputs (Deisenroth's GP-ADF / PILCO equations).
 
 There are ``E`` independent GPs, one per output ``a``, sharing the training inputs ``X`` (``n, D``):
-``k_a(x, x') = alpha_a^2 exp(-1/2 (x - x')^T Lambda_a^{-1} (x - x'))`` with ``Lambda_a = diag(l_a^2)``,
-``beta_a = (K_a + sigma_a^2 I)^{-1} y_a`` and ``gram_inv[a] = (K_a + sigma_a^2 I)^{-1}``. The latent
-posterior at ``x`` has mean ``m_a(x) = k_a(X, x)^T beta_a`` and variance
-``v_a(x) = alpha_a^2 - k_a(X, x)^T (K_a + sigma_a^2 I)^{-1} k_a(X, x)``.
+:math:`k_a(x, x') = \alpha_a^2 \exp(-\tfrac12 (x - x')^\top \Lambda_a^{-1} (x - x'))` with :math:`\Lambda_a = \operatorname{diag}(l_a^2)`,
+:math:`\beta_a = (K_a + \sigma_a^2 I)^{-1} y_a` and ``gram_inv[a]`` :math:`= (K_a + \sigma_a^2 I)^{-1}`. The latent
+posterior at ``x`` has mean :math:`m_a(x) = k_a(X, x)^\top \beta_a` and variance
+:math:`v_a(x) = \alpha_a^2 - k_a(X, x)^\top (K_a + \sigma_a^2 I)^{-1} k_a(X, x)`.
 
-For ``x ~ N(mu, S)`` and ``h_a = f_a(x)``, :func:`se_ard_moments` returns ``E[h]``, ``Cov[h]`` and
-``Cov[x, h]`` in closed form, with ``nu_i = x_i - mu``:
+For :math:`x \sim \mathcal N(\mu, S)` and :math:`h_a = f_a(x)`, :func:`se_ard_moments` returns ``E[h]``, ``Cov[h]`` and
+``Cov[x, h]`` in closed form, with :math:`\nu_i = x_i - \mu`:
 
 .. math::
 
@@ -23,14 +23,14 @@ For ``x ~ N(mu, S)`` and ``h_a = f_a(x)``, :func:`se_ard_moments` returns ``E[h]
     Q^{ab}_{ij} = k_a(x_i, \mu) k_b(x_j, \mu) |R|^{-1/2} \exp(\tfrac12 z_{ij}^T R^{-1} S z_{ij}),
     \quad R = S(\Lambda_a^{-1} + \Lambda_b^{-1}) + I, \quad z_{ij} = \Lambda_a^{-1}\nu_i + \Lambda_b^{-1}\nu_j.
 
-With ``W = Lambda_a^{-1} + Lambda_b^{-1}`` and ``B = W^{1/2} S W^{1/2}``, ``R^{-1} S = W^{-1/2} (I - (I + B)^{-1}) W^{-1/2}``
-and ``|R| = |I + B|``: one Cholesky of a matrix with eigenvalues >= 1, no inverse of ``S``. The exponent
-``log Q^{ab}_ij`` is ``u_i + v_j + (R^{-1} S Lambda_a^{-1} nu_i)^T Lambda_b^{-1} nu_j``, an ``n x (D+2)`` by
+With :math:`W = \Lambda_a^{-1} + \Lambda_b^{-1}` and :math:`B = W^{1/2} S W^{1/2}`, :math:`R^{-1} S = W^{-1/2} (I - (I + B)^{-1}) W^{-1/2}`
+and :math:`|R| = |I + B|`: one Cholesky of a matrix with eigenvalues >= 1, no inverse of ``S``. The exponent
+:math:`\log Q^{ab}_{ij}` is :math:`u_i + v_j + (R^{-1} S \Lambda_a^{-1} \nu_i)^\top \Lambda_b^{-1} \nu_j`, an ``n x (D+2)`` by
 ``(D+2) x n`` product, so each unordered pair ``a <= b`` costs one ``n x n`` exponential and one
 mat-vec with ``beta_b``. Pairs run one at a time (the block stays in cache) after their small
 factors are built in batches; memory stays below ``chunk_size`` elements per temporary. The
 ``E (E + 1) / 2`` exponentials dominate (about 0.26 G of them at ``E = 56``, ``n = 403``). Since
-``Q^{ab} / (alpha_a^2 alpha_b^2)`` depends only on ``(l_a, l_b)``, outputs with equal lengthscales are
+:math:`Q^{ab} / (\alpha_a^2 \alpha_b^2)` depends only on ``(l_a, l_b)``, outputs with equal lengthscales are
 grouped: a pair of groups costs one exponential, so a shared lengthscale costs one in all.
 
 See ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input`` and ``docs/math/ep.md#gp-regression-with-se-ard-kernels``.
@@ -80,16 +80,16 @@ _LOG2E = 1.0 / math.log(2.0)
 
 
 def se_ard_kernel(x1: Tensor, x2: Tensor, lengthscale: Tensor, variance: Tensor) -> Tensor:
-    """SE-ARD cross-covariances of ``E`` kernels.
+    r"""SE-ARD cross-covariances of ``E`` kernels.
 
     Args:
         x1: ``(..., m, D)`` inputs.
         x2: ``(n, D)`` inputs.
         lengthscale: ``(E, D)`` positive lengthscales ``l_a``.
-        variance: ``(E,)`` signal variances ``alpha_a^2``.
+        variance: ``(E,)`` signal variances :math:`\alpha_a^2`.
 
     Returns:
-        ``(..., E, m, n)`` tensor ``alpha_a^2 exp(-1/2 sum_d (x1_d - x2_d)^2 / l_ad^2)``.
+        ``(..., E, m, n)`` tensor :math:`\alpha_a^2 \exp(-\tfrac12 \sum_d (x_{1d} - x_{2d})^2 / l_{ad}^2)` (``x1``, ``x2`` the two inputs).
 
     Example:
         >>> ell = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
@@ -129,16 +129,16 @@ def se_ard_predict(
     noise: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Posterior mean and variance of ``E`` SE-ARD GPs at deterministic inputs.
+    r"""Posterior mean and variance of ``E`` SE-ARD GPs at deterministic inputs.
 
     Args:
         x: ``(..., D)`` test inputs.
         X: ``(n, D)`` training inputs.
-        beta: ``(E, n)`` weights ``(K_a + sigma_a^2 I)^{-1} y_a``.
-        gram_inv: ``(E, n, n)`` inverses ``(K_a + sigma_a^2 I)^{-1}``.
+        beta: ``(E, n)`` weights :math:`(K_a + \sigma_a^2 I)^{-1} y_a`.
+        gram_inv: ``(E, n, n)`` inverses :math:`(K_a + \sigma_a^2 I)^{-1}`.
         lengthscale: ``(E, D)``.
-        variance: ``(E,)`` signal variances ``alpha_a^2``.
-        noise: ``(E,)`` likelihood variances ``sigma_a^2``, added to the variance when given.
+        variance: ``(E,)`` signal variances :math:`\alpha_a^2`.
+        noise: ``(E,)`` likelihood variances :math:`\sigma_a^2`, added to the variance when given.
         chunk_size: elements per temporary block (default :data:`DEFAULT_CHUNK_SIZE`).
 
     Returns:
@@ -179,9 +179,9 @@ def se_ard_linearize(
     noise: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Posterior mean, its Jacobian and the variance at ``x`` (the GP-EKS linearisation).
+    r"""Posterior mean, its Jacobian and the variance at ``x`` (the GP-EKS linearisation).
 
-    ``d m_a / d x = sum_i beta_ai k_a(x_i, x) Lambda_a^{-1} (x_i - x)``.
+    :math:`\partial m_a / \partial x = \sum_i \beta_{ai} k_a(x_i, x) \Lambda_a^{-1} (x_i - x)`.
     See ``docs/math/ep.md#gp-regression-with-se-ard-kernels``.
 
     Args:
@@ -322,27 +322,27 @@ def se_ard_moments(
     noise: Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Exact mean, covariance and input-output covariance of ``h = f(x)``, ``x ~ N(mean, cov)``.
+    r"""Exact mean, covariance and input-output covariance of :math:`h = f(x)`, :math:`x \sim \mathcal N(m, P)` (``mean``, ``cov``).
 
     ``f`` is drawn from the ``E`` GP posteriors, so the covariance includes the expected latent
     variance ``E_x[v_a(x)]`` on its diagonal (and ``noise`` if given). Differentiable by autograd
-    (memory is then no longer bounded by ``chunk_size``); ``d M / d mean = C^T cov^{-1}``.
+    (memory is then no longer bounded by ``chunk_size``); :math:`\partial M / \partial m = C^\top P^{-1}`.
     See ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input``.
 
     Args:
         mean: ``(..., D)`` input mean.
         cov: ``(..., D, D)`` input covariance (positive semi-definite; batch dims broadcast).
         X: ``(n, D)`` training inputs.
-        beta: ``(E, n)`` weights ``(K_a + sigma_a^2 I)^{-1} y_a``.
-        gram_inv: ``(E, n, n)`` inverses ``(K_a + sigma_a^2 I)^{-1}``.
+        beta: ``(E, n)`` weights :math:`(K_a + \sigma_a^2 I)^{-1} y_a`.
+        gram_inv: ``(E, n, n)`` inverses :math:`(K_a + \sigma_a^2 I)^{-1}`.
         lengthscale: ``(E, D)``.
-        variance: ``(E,)`` signal variances ``alpha_a^2``.
+        variance: ``(E,)`` signal variances :math:`\alpha_a^2`.
         noise: ``(E,)`` likelihood variances, added to the covariance's diagonal when given.
         chunk_size: elements per temporary block (default :data:`DEFAULT_CHUNK_SIZE`, 64 MiB in
-            float64); the cost is ``O(E^2 n^2)`` per input whatever its value.
+            float64); the cost is :math:`O(E^2 n^2)` per input whatever its value.
 
     Returns:
-        ``(M, V, C)``: ``M`` ``(..., E)``, ``V`` ``(..., E, E)``, ``C = Cov[x, h]`` ``(..., D, E)``.
+        ``(M, V, C)``: ``M`` ``(..., E)``, ``V`` ``(..., E, E)``, :math:`C = \operatorname{Cov}[x, h]` ``(..., D, E)``.
 
     Example:
         >>> _ = torch.manual_seed(0)

@@ -14,9 +14,9 @@ __all__ = ["per_sample_gradients"]
 
 
 def per_sample_gradients(values: Tensor, leaves: list[Tensor]) -> Tensor:
-    """``d values_i / d theta`` for every sample ``i``: ``(n, P)`` with ``P`` the total size of ``leaves``.
+    r"""``d values_i / d theta`` for every sample ``i``: ``(n, P)`` with ``P`` the total size of ``leaves``.
 
-    With fewer parameters than samples, differentiate the vector-Jacobian product ``v^T J`` once more
+    With fewer parameters than samples, differentiate the vector-Jacobian product :math:`v^\top J` once more
     in ``v`` (``P`` batched passes instead of ``n``: 8x faster at ``n = 256``, 200x at ``n = 1024``);
     otherwise batch one backward pass per sample. Leaves that ``values`` does not depend on get
     zero columns.

@@ -1,9 +1,9 @@
-"""Kalman filter, Rauch-Tung-Striebel smoother and the exact log-evidence.
+r"""Kalman filter, Rauch-Tung-Striebel smoother and the exact log-evidence.
 
 See ``docs/math/ep.md#kalman-filter`` and ``docs/math/ep.md#missing-observations``.
 
-The model is ``x_1 ~ N(m_1, P_1)``, ``x_t = A x_{t-1} + w_t``, ``w_t ~ N(0, Q)``,
-``y_t = C x_t + v_t``, ``v_t ~ N(0, R)``. Each step is a pure function; :func:`kalman_filter` and
+The model is :math:`x_1 \sim \mathcal N(m_1, P_1)`, :math:`x_t = A x_{t-1} + w_t`, :math:`w_t \sim \mathcal N(0, Q)`,
+:math:`y_t = C x_t + v_t`, :math:`v_t \sim \mathcal N(0, R)`. Each step is a pure function; :func:`kalman_filter` and
 :func:`rts_smoother` are drivers. Everything is differentiable, so ``torch.autograd`` on
 :func:`kalman_filter`'s log-evidence gives the exact score, the oracle for gradient tests.
 
@@ -53,7 +53,7 @@ def _symmetrize(m: Tensor) -> Tensor:
 
 
 def predict(mean: Tensor, cov: Tensor, A: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
-    """``p(x_t | y_{1:t-1})`` from ``p(x_{t-1} | y_{1:t-1})``: ``(A m, A P A^T + Q)``.
+    r""":math:`p(x_t \mid y_{1:t-1})` from :math:`p(x_{t-1} \mid y_{1:t-1})`: :math:`(A m, A P A^\top + Q)`.
 
     Args:
         mean: ``(..., d)`` filtered mean at ``t - 1``.
@@ -78,7 +78,7 @@ def predict(mean: Tensor, cov: Tensor, A: Tensor, Q: Tensor) -> tuple[Tensor, Te
 
 
 def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Conditions ``N(mean, cov)`` on ``y = C x + v``.
+    r"""Conditions :math:`\mathcal N(m, P)` (``mean``, ``cov``) on :math:`y = C x + v`.
 
     Args:
         mean: ``(..., d)`` predicted mean.
@@ -89,10 +89,10 @@ def update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor) -> tuple[
 
     Returns:
         ``(mean (..., d), cov (..., d, d), log_lik (...))`` with
-        ``log_lik = log N(y | C mean, C cov C^T + R)``.
+        ``log_lik`` :math:`= \log \mathcal N(y \mid C m, C P C^\top + R)`.
 
     Raises:
-        RuntimeError: (``torch.linalg.LinAlgError``) if ``C cov C^T + R`` is not positive definite.
+        RuntimeError: (``torch.linalg.LinAlgError``) if :math:`C P C^\top + R` is not positive definite.
 
     Example:
         >>> one = torch.tensor([[1.0]])
@@ -149,11 +149,11 @@ def mask_missing(C: Tensor, y: Tensor, R: Tensor, observed: Tensor) -> tuple[Ten
 
 
 def masked_update(mean: Tensor, cov: Tensor, y: Tensor, C: Tensor, R: Tensor, observed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`update` on the entries of ``y`` where ``observed`` (bool, shape of ``y``) is true.
+    r""":func:`update` on the entries of ``y`` where ``observed`` (bool, shape of ``y``) is true.
 
     A missing entry ``i`` gets a zero row of ``C``, no noise correlation and unit noise variance at
     ``y_i = 0``: its innovation is independent of ``x`` and of the observed entries, so it leaves the
-    state alone and adds exactly ``log N(0 | 0, 1)``, which is taken off again. This keeps the shapes
+    state alone and adds exactly :math:`\log \mathcal N(0 \mid 0, 1)`, which is taken off again. This keeps the shapes
     (and any batch dims) fixed, so the observed set may differ across batch members.
 
     Args:
@@ -201,7 +201,7 @@ def check_ys(ys: Tensor) -> Tensor | None:
 def smooth_step(
     filt_mean: Tensor, filt_cov: Tensor, pred_mean: Tensor, pred_cov: Tensor, next_mean: Tensor, next_cov: Tensor, A: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """One RTS step: ``p(x_t | y_{1:T})`` from the filter at ``t`` and the smoother at ``t+1``.
+    r"""One RTS step: :math:`p(x_t \mid y_{1:T})` from the filter at ``t`` and the smoother at ``t+1``.
 
     Args:
         filt_mean: ``(..., d)`` filtered mean at ``t``.
@@ -213,7 +213,7 @@ def smooth_step(
         A: ``(..., d, d)`` transition matrix.
 
     Returns:
-        ``(mean (..., d), cov (..., d, d))`` of ``p(x_t | y_{1:T})``.
+        ``(mean (..., d), cov (..., d, d))`` of :math:`p(x_t \mid y_{1:T})`.
 
     Example:
         >>> one = torch.tensor([[1.0]])

@@ -1,13 +1,15 @@
-r"""Kronecker-structured products, solves and log-determinants without forming ``kron``.
+r"""Kronecker-structured products, solves and log-determinants without forming the Kronecker product.
 
 Convention: a matrix ``X`` of shape ``(n, p)`` stands for the vector ``vec(X)``
 of length ``n p`` that stacks its *columns* (column-major, Fortran order); in torch
-``vec(X) = X.transpose(-1, -2).reshape(..., n * p)``. With this convention
+``vec(X) = X.transpose(-1, -2).reshape(..., n * p)``. With this convention, for ``A`` ``(n, n)`` and ``B`` ``(p, p)``,
 
-    vec(A X B) = (B^T kron A) vec(X),        A: (n, n),  B: (p, p),
+.. math::
 
-so the ``np x np`` operator ``B^T kron A`` is applied in ``O(n^2 p + n p^2)`` as ``A @ X @ B``.
-The Gaussian terms of a covariance ``V kron U`` given by its lower Cholesky factors (the
+    \operatorname{vec}(A X B) = (B^\top \otimes A) \operatorname{vec}(X),
+
+so the ``np x np`` operator :math:`B^\top \otimes A` is applied in :math:`O(n^2 p + n p^2)` as ``A @ X @ B``.
+The Gaussian terms of a covariance :math:`V \otimes U` given by its lower Cholesky factors (the
 ``kron_tril_*`` helpers) are in :mod:`pyro_smc.ops.kronecker_tril`.
 
 All functions broadcast over leading batch dims and promote mixed float dtypes to a common one (as
@@ -92,7 +94,7 @@ def kron(a: Tensor, b: Tensor) -> Tensor:
 
     Returns:
         ``(..., m k, n l)`` with block ``(i, j)`` equal to ``a[..., i, j] * b``; batch dims broadcast
-        (unlike ``torch.kron``, which takes the product over every dim).
+        (unlike :func:`torch.kron`, which takes the product over every dim).
 
     Raises:
         ValueError: ``a`` or ``b`` has fewer than 2 dims, or their batch dims do not broadcast.
@@ -112,7 +114,7 @@ def kron(a: Tensor, b: Tensor) -> Tensor:
 
 
 def kron_matvec(a: Tensor, b: Tensor, x: Tensor) -> Tensor:
-    """``(B^T kron A) vec(X)`` as the matrix ``A X B``.
+    r""":math:`(B^\top \otimes A) \operatorname{vec}(X)` as the matrix :math:`A X B`.
 
     Args:
         a: ``(..., n, n)``.
@@ -120,7 +122,7 @@ def kron_matvec(a: Tensor, b: Tensor, x: Tensor) -> Tensor:
         x: ``(..., n, p)`` representing ``vec(X)`` (column-major).
 
     Returns:
-        ``(..., n, p)``: ``A @ X @ B``, i.e. ``unvec((B^T kron A) vec(X))``.
+        ``(..., n, p)``: ``A @ X @ B``, i.e. :math:`\operatorname{vec}^{-1}((B^\top \otimes A) \operatorname{vec}(X))`.
 
     Raises:
         ValueError: if ``a`` or ``b`` is not square or ``x`` does not match them.
@@ -177,7 +179,7 @@ def _check_nonsingular_triangle(op: str, name: str, m: Tensor) -> None:
 
 
 def kron_solve(a: Tensor, b: Tensor, y: Tensor, *, tri_a: str | None = None, tri_b: str | None = None) -> Tensor:
-    """Solves ``(B^T kron A) vec(X) = vec(Y)``, i.e. ``X = A^{-1} Y B^{-1}``.
+    r"""Solves :math:`(B^\top \otimes A) \operatorname{vec}(X) = \operatorname{vec}(Y)`, i.e. :math:`X = A^{-1} Y B^{-1}`.
 
     Args:
         a: invertible ``(..., n, n)``.
@@ -227,7 +229,7 @@ def _kron_solve(op: str, a: Tensor, b: Tensor, y: Tensor, tri_a: str | None, tri
 
 
 def kron_logdet(a: Tensor, b: Tensor, *, triangular: bool = False) -> Tensor:
-    """``log|det(B^T kron A)| = p log|det A| + n log|det B|``.
+    r""":math:`\log |\det(B^\top \otimes A)| = p \log |\det A| + n \log |\det B|`.
 
     Args:
         a: ``(..., n, n)``.

@@ -1,9 +1,9 @@
-r"""Gaussian terms of a Kronecker covariance ``V kron U`` given by its lower Cholesky factors.
+r"""Gaussian terms of a Kronecker covariance :math:`V \otimes U` given by its lower Cholesky factors.
 
-A matrix normal ``W = M + A E B`` (``E`` i.i.d. standard normal) has
-``vec(W) ~ N(vec(M), (B^T B) kron (A A^T))``; in the lower-Cholesky parametrisation used by
-:class:`pyro_smc.distributions.MatrixNormal`, ``W = M + L_row E L_col^T`` and
-``Cov(vec W) = (L_col L_col^T) kron (L_row L_row^T) = V kron U``. The ``kron_tril_*`` helpers here
+A matrix normal :math:`W = M + A E B` (:math:`E` i.i.d. standard normal) has
+:math:`\operatorname{vec}(W) \sim \mathcal N(\operatorname{vec}(M), (B^\top B) \otimes (A A^\top))`; in the lower-Cholesky parametrisation used by
+:class:`pyro_smc.distributions.MatrixNormal`, :math:`W = M + L_{\mathrm{row}} E L_{\mathrm{col}}^\top` and
+:math:`\operatorname{Cov}(\operatorname{vec} W) = (L_{\mathrm{col}} L_{\mathrm{col}}^\top) \otimes (L_{\mathrm{row}} L_{\mathrm{row}}^\top) = V \otimes U`. The ``kron_tril_*`` helpers here
 give its log-determinant, Mahalanobis norm, trace of a ratio (for KL divergences), variances and
 entropy from ``L_row`` and ``L_col`` alone, by the column-major ``vec`` and the Kronecker algebra
 of :mod:`pyro_smc.ops.kronecker`.
@@ -42,11 +42,11 @@ __all__ = [
 
 
 def kron_tril_logdet(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
-    """``log det (V kron U)^{1/2} = p sum log diag L_row + n sum log diag L_col`` (positive diagonals).
+    r""":math:`\log \det (V \otimes U)^{1/2} = p \sum \log \operatorname{diag} L_{\mathrm{row}} + n \sum \log \operatorname{diag} L_{\mathrm{col}}` (positive diagonals).
 
     Args:
-        scale_tril_row: ``L_row`` ``(..., n, n)``, lower triangular, ``U = L_row L_row^T``.
-        scale_tril_col: ``L_col`` ``(..., p, p)``, lower triangular, ``V = L_col L_col^T``.
+        scale_tril_row: ``L_row`` ``(..., n, n)``, lower triangular, :math:`U = L_{\mathrm{row}} L_{\mathrm{row}}^\top`.
+        scale_tril_col: ``L_col`` ``(..., p, p)``, lower triangular, :math:`V = L_{\mathrm{col}} L_{\mathrm{col}}^\top`.
 
     Returns:
         ``(...)``: half the log-determinant of the ``np x np`` covariance.
@@ -67,7 +67,7 @@ def kron_tril_logdet(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
 
 
 def kron_tril_mahalanobis(scale_tril_row: Tensor, scale_tril_col: Tensor, x: Tensor) -> Tensor:
-    """``vec(X)^T (V kron U)^{-1} vec(X) = ||L_row^{-1} X L_col^{-T}||_F^2`` by two triangular solves.
+    r""":math:`\operatorname{vec}(X)^\top (V \otimes U)^{-1} \operatorname{vec}(X) = \lVert L_{\mathrm{row}}^{-1} X L_{\mathrm{col}}^{-\top} \rVert_F^2` by two triangular solves.
 
     Args:
         scale_tril_row: ``(..., n, n)`` lower triangular.
@@ -93,7 +93,7 @@ def kron_tril_mahalanobis(scale_tril_row: Tensor, scale_tril_col: Tensor, x: Ten
 
 
 def kron_tril_trace(scale_tril_row_p: Tensor, scale_tril_col_p: Tensor, scale_tril_row_q: Tensor, scale_tril_col_q: Tensor) -> Tensor:
-    """``tr((V_p kron U_p)^{-1} (V_q kron U_q)) = ||L_row_p^{-1} L_row_q||_F^2 ||L_col_p^{-1} L_col_q||_F^2``.
+    r""":math:`\operatorname{tr}((V_p \otimes U_p)^{-1} (V_q \otimes U_q)) = \lVert L_{\mathrm{row},p}^{-1} L_{\mathrm{row},q} \rVert_F^2 \, \lVert L_{\mathrm{col},p}^{-1} L_{\mathrm{col},q} \rVert_F^2`.
 
     See ``docs/math/kronecker.md#kronecker-identities`` and ``docs/math/kronecker.md#kl-divergences``.
 
@@ -135,7 +135,7 @@ def kron_tril_trace(scale_tril_row_p: Tensor, scale_tril_col_p: Tensor, scale_tr
 
 
 def kron_tril_variance(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
-    """The diagonal of ``V kron U`` as an ``(n, p)`` matrix: ``diag(U) diag(V)^T``.
+    r"""The diagonal of :math:`V \otimes U` as an ``(n, p)`` matrix: :math:`\operatorname{diag}(U) \operatorname{diag}(V)^\top`.
 
     Args:
         scale_tril_row: ``(..., n, n)``.
@@ -160,7 +160,8 @@ def kron_tril_variance(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor
 
 
 def kron_tril_entropy(scale_tril_row: Tensor, scale_tril_col: Tensor) -> Tensor:
-    """Entropy of ``N(M, V kron U)``: ``np/2 (1 + log 2 pi) + p sum log diag L_row + n sum log diag L_col``.
+    r"""Entropy of :math:`\mathcal N(M, V \otimes U)`:
+    :math:`\tfrac{np}{2} (1 + \log 2\pi) + p \sum \log \operatorname{diag} L_{\mathrm{row}} + n \sum \log \operatorname{diag} L_{\mathrm{col}}`.
 
     See ``docs/math/kronecker.md#matrix-normal-distribution``.
 

@@ -5,9 +5,9 @@ r"""Gaussian approximations for the start of an online filtering step (pure tens
   positive-definite precision. For a linear-Gaussian ``g`` the first step is the Kalman update;
   for a heavy-tailed ``g`` far from the data (where ``log g`` is convex) a step is a
   preconditioned gradient step with backtracking instead of a jump.
-* :func:`posterior_scale_tril`: the Cholesky factor of ``(P^{-1} + H)^{-1}`` by two QR
-  factorisations, accurate where ``H`` dwarfs ``P^{-1}`` (a precise observation in float32).
-* :func:`regression_kernel`: the linear-Gaussian regression ``x_prev | x ~ N(W x + b, S)`` of one
+* :func:`posterior_scale_tril`: the Cholesky factor of :math:`(P^{-1} + H)^{-1}` by two QR
+  factorisations, accurate where :math:`H` dwarfs :math:`P^{-1}` (a precise observation in float32).
+* :func:`regression_kernel`: the linear-Gaussian regression :math:`x_{\mathrm{prev}} \mid x \sim \mathcal N(W x + b, S)` of one
   set of paired samples on another (the backward kernel implied by a joint Gaussian), its
   residual covariance from the residuals themselves (no cancellation).
 * :func:`jittered`: a symmetrised covariance with a relative jitter of ``1e-6`` on its diagonal.
@@ -37,7 +37,7 @@ __all__ = ["jittered", "laplace_newton", "posterior_scale_tril", "regression_ker
 
 
 def jittered(cov: Tensor) -> Tensor:
-    """``(cov + cov^T) / 2`` plus ``1e-6`` times its mean absolute diagonal on the diagonal.
+    r""":math:`(\Sigma + \Sigma^\top) / 2` (:math:`\Sigma` = ``cov``) plus ``1e-6`` times its mean absolute diagonal on the diagonal.
 
     Args:
         cov: ``(d, d)``.
@@ -56,13 +56,13 @@ def jittered(cov: Tensor) -> Tensor:
 
 
 def posterior_scale_tril(prior_tril: Tensor, curvature: Tensor) -> Tensor:
-    """The lower Cholesky factor of ``(P^{-1} + H)^{-1}``, never forming either matrix.
+    r"""The lower Cholesky factor of :math:`(P^{-1} + H)^{-1}`, never forming either matrix.
 
-    With ``P = L L^T`` and ``H = V diag(h) V^T`` (``h >= 0``), ``(P^{-1} + H)^{-1} = L (I + B B^T)^{-1} L^T``
-    for ``B = L^T V diag(h)^{1/2}``; the QR factorisation ``[I; B^T] = Q R`` gives ``R^T R = I + B B^T``
-    with ``R``'s singular values at least 1, so the factor ``L R^{-1}`` (made triangular by a
-    second QR) is accurate even where ``H`` is ``1e8`` times ``P^{-1}``, which the dense inverse of
-    ``P^{-1} + H`` is not in float32 (it comes out indefinite).
+    With :math:`P = L L^\top` and :math:`H = V \operatorname{diag}(h) V^\top` (:math:`h \ge 0`), :math:`(P^{-1} + H)^{-1} = L (I + B B^\top)^{-1} L^\top`
+    for :math:`B = L^\top V \operatorname{diag}(h)^{1/2}`; the QR factorisation :math:`[I; B^\top] = Q R` gives :math:`R^\top R = I + B B^\top`
+    with :math:`R`'s singular values at least 1, so the factor :math:`L R^{-1}` (made triangular by a
+    second QR) is accurate even where :math:`H` is ``1e8`` times :math:`P^{-1}`, which the dense inverse of
+    :math:`P^{-1} + H` is not in float32 (it comes out indefinite).
 
     Args:
         prior_tril: ``L`` ``(d, d)``, lower triangular with a positive diagonal.
@@ -157,12 +157,12 @@ def laplace_newton(
 
 
 def regression_kernel(x: Tensor, x_prev: Tensor, *, return_scale_tril: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Least-squares Gaussian regression of ``x_prev`` on ``x`` from paired samples.
+    r"""Least-squares Gaussian regression of ``x_prev`` on ``x`` from paired samples.
 
     See ``docs/math/streaming.md#initialising-a-step``.
 
-    The residual covariance is the Gram matrix of the residuals ``x_prev - W x - b`` (not the
-    Schur complement ``S_pp - W S_px^T``, which loses to cancellation every direction in which
+    The residual covariance is the Gram matrix of the residuals :math:`x_{\mathrm{prev}} - W x - b` (not the
+    Schur complement :math:`S_{pp} - W S_{px}^\top`, which loses to cancellation every direction in which
     ``x_prev`` is far narrower than in others), factorised by QR; its diagonal is floored at ten
     rounding errors of each coordinate's spread, which keeps it positive definite when ``x_prev``
     is an exact linear function of ``x``.
@@ -173,7 +173,7 @@ def regression_kernel(x: Tensor, x_prev: Tensor, *, return_scale_tril: bool = Fa
         return_scale_tril: return the residual covariance's lower Cholesky factor instead.
 
     Returns:
-        ``(weight (d, d), bias (d,), cov (d, d))`` with ``x_prev | x ~ N(weight x + bias, cov)``
+        ``(weight (d, d), bias (d,), cov (d, d))`` with :math:`x_{\mathrm{prev}} \mid x \sim \mathcal N(W x + b, S)` (``weight``, ``bias``, ``cov``)
         under the samples' joint moments: the exact backward kernel when they are jointly Gaussian.
 
     Example:

@@ -1,7 +1,7 @@
-"""Ancestor indices for unbiased resampling schemes.
+r"""Ancestor indices for unbiased resampling schemes.
 
 Each scheme maps normalised log-weights ``(..., N)`` to ancestor indices ``(..., N)`` (int64)
-such that ``E[#{i: A^i = j}] = N w_j``. The batch dimensions are independent filters.
+such that :math:`\mathbb E[\#\{i : A^i = j\}] = N w_j`. The batch dimensions are independent filters.
 Systematic resampling has the lowest variance of the three and is the default of ``SMC``.
 :func:`stop_gradient_log_weights` gives the new log-weights of stop-gradient resampling, and
 :func:`log_mixture_density` the marginal (mixture) transition log-density of the marginal
@@ -188,12 +188,12 @@ def _systematic(lw: Tensor, generator: Optional[torch.Generator], search_below: 
 
 
 def stop_gradient_log_weights(log_weights: Tensor, index: Tensor) -> Tensor:
-    """New log-weights after index resampling that keep the ancestors' weight gradient.
+    r"""New log-weights after index resampling that keep the ancestors' weight gradient.
 
-    ``log w[A_i] - stop_grad(log w[A_i]) - log N`` (Scibior and Wood, 2021): exactly
-    ``-log N`` in value, with the gradient of ``log w[A_i]``. An ancestor of zero weight (only
+    :math:`\log w_{A_i} - \operatorname{stop\_grad}(\log w_{A_i}) - \log N` (Scibior and Wood, 2021): exactly
+    :math:`-\log N` in value, with the gradient of :math:`\log w_{A_i}`. An ancestor of zero weight (only
     reachable through the clamp of :func:`inverse_cdf` when the cumulative weights round below
-    one) gets ``-log N`` and no gradient rather than NaN.
+    one) gets :math:`-\log N` and no gradient rather than NaN.
     See ``docs/math/smc.md#stop-gradient-resampling``.
 
     Args:
@@ -286,7 +286,7 @@ def _gather(value: Tensor, index: Tensor) -> Tensor:
 
 
 def log_mixture_density(log_weights: Tensor, log_kernel: Tensor) -> Tensor:
-    """``m_i = log sum_j w_j k(x_i | x'_j)``: each new point's log-density under the weighted mixture.
+    r""":math:`m_i = \log \sum_j w_j k(x_i \mid x'_j)`: each new point's log-density under the weighted mixture.
 
     Args:
         log_weights: normalised log-weights of the parents, shape ``(..., N_j)``.
@@ -313,15 +313,15 @@ def log_mixture_density(log_weights: Tensor, log_kernel: Tensor) -> Tensor:
 
 
 def kernel_mixture_log_density(points: Tensor, centres: Tensor, log_weights: Tensor, bandwidth: Tensor, allowed: Tensor | None = None) -> Tensor:
-    """``log m(x_i)``, ``m(x) = sum_j w_j N(x; c_j, diag(h^2))``: a weighted Gaussian kernel mixture.
+    r""":math:`\log m(x_i)`, :math:`m(x) = \sum_j w_j \mathcal N(x; c_j, \operatorname{diag}(h^2))`: a weighted Gaussian kernel mixture.
 
     Coordinates with bandwidth exactly ``0`` are point masses: they contribute no factor, which
     is exact only when every centre of positive weight has the same value there (as for a
     bandwidth proportional to the weighted standard deviation). All ``M N`` pairs are formed,
-    by the expansion ``|u|^2 + |v|^2 - 2 u.v`` of the squared distance in scaled coordinates
-    ``u = (x - c_bar) / h`` centred at the (detached) weighted mean ``c_bar`` of the centres, so
-    memory is ``O(M N)`` per batch element, not ``O(M N D)``; its rounding error is about
-    ``eps * max|u|^2`` in the exponent. See ``docs/math/smc.md#kernel-mixture-resampling``.
+    by the expansion :math:`\lVert u\rVert^2 + \lVert v\rVert^2 - 2 u \cdot v` of the squared distance in scaled coordinates
+    :math:`u = (x - \bar c) / h` centred at the (detached) weighted mean :math:`\bar c` of the centres, so
+    memory is :math:`O(M N)` per batch element, not :math:`O(M N D)`; its rounding error is about
+    :math:`\epsilon \max \lVert u\rVert^2` in the exponent (:math:`\epsilon` the dtype's rounding unit). See ``docs/math/smc.md#kernel-mixture-resampling``.
 
     Args:
         points: where to evaluate, shape ``(..., M, D)``.

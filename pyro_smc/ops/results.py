@@ -4,20 +4,20 @@ Conventions every result type here keeps:
 
 * ``T`` time steps, state dimension ``d``; marginals are ``means (T, d)`` and
   ``covariances (T, d, d)``, on the device and dtype of the model.
-* ``log_evidence`` is the one name for the (estimated) total ``log p(y_{1:T})``: a tensor, or
+* ``log_evidence`` is the one name for the (estimated) total :math:`\log p(y_{1:T})`: a tensor, or
   ``None`` where the engine does not compute it. What it means depends on the engine:
 
   - Kalman filter (:class:`FilterResult`): exact.
   - Gaussian filters and smoothers (EKF/EKS, UKF/URTSS, GP-ADF/GP-RTSS,
     ``GaussianSmootherResult``): the Gaussian approximation given by the prediction-error
-    decomposition, ``sum_t log N(y_t | mu_t, S_t)`` with the projected predictive moments.
+    decomposition, :math:`\sum_t \log \mathcal N(y_t \mid \mu_t, S_t)` with the projected predictive moments.
   - EP: the exact evidence of the linear-Gaussian model fitted by the last sweep's projections
     (``docs/math/ep.md#the-ep-evidence``).
   - SMC: an estimate whose exponential is unbiased for the evidence ``Z``.
   - The online variational filter: an ELBO, a lower bound.
 
 * ``log_evidence_increments`` ``(T,)`` (batch dims after ``T`` where the model carries them) are the
-  per-step terms ``log p(y_t | y_{1:t-1})`` whose sum is ``log_evidence``, where they exist; a step
+  per-step terms :math:`\log p(y_t \mid y_{1:t-1})` whose sum is ``log_evidence``, where they exist; a step
   without an observation contributes 0.
 
 The Kalman results (:class:`FilterResult`, :class:`SmootherResult`) come from
@@ -46,14 +46,14 @@ __all__ = ["FilterResult", "SmootherResult"]
 
 
 class FilterResult(NamedTuple):
-    """Kalman filtering output.
+    r"""Kalman filtering output.
 
     Attributes:
-        means: ``(T, d)`` ``E[x_t | y_{1:t}]``.
+        means: ``(T, d)`` :math:`\mathbb E[x_t \mid y_{1:t}]`.
         covariances: ``(T, d, d)``.
-        predicted_means: ``(T, d)`` ``E[x_t | y_{1:t-1}]`` (the prior at ``t = 0``).
+        predicted_means: ``(T, d)`` :math:`\mathbb E[x_t \mid y_{1:t-1}]` (the prior at :math:`t = 0`).
         predicted_covariances: ``(T, d, d)``.
-        log_evidence_increments: ``(T,)`` ``log p(y_t | y_{1:t-1})``; 0 at steps without data.
+        log_evidence_increments: ``(T,)`` :math:`\log p(y_t \mid y_{1:t-1})`; 0 at steps without data.
 
     Example:
         >>> import torch
@@ -73,17 +73,17 @@ class FilterResult(NamedTuple):
 
     @property
     def log_evidence(self) -> Tensor:
-        """Exact ``log p(y_{1:T})``, the sum of the increments over time."""
+        r"""Exact :math:`\log p(y_{1:T})`, the sum of the increments over time."""
         return self.log_evidence_increments.sum(0)
 
 
 class SmootherResult(NamedTuple):
-    """RTS smoothing output: the marginals ``p(x_t | y_{1:T})`` and the filter's evidence.
+    r"""RTS smoothing output: the marginals :math:`p(x_t \mid y_{1:T})` and the filter's evidence.
 
     Attributes:
-        means: ``(T, d)`` ``E[x_t | y_{1:T}]``.
+        means: ``(T, d)`` :math:`\mathbb E[x_t \mid y_{1:T}]`.
         covariances: ``(T, d, d)``.
-        log_evidence: scalar, the filter's exact ``log p(y_{1:T})``; ``None`` when built without one.
+        log_evidence: scalar, the filter's exact :math:`\log p(y_{1:T})`; ``None`` when built without one.
 
     Example:
         >>> import torch

@@ -17,7 +17,7 @@ Its dual potentials ``f, g`` are the fixed point of the soft-min maps
     f_i = -\varepsilon \log \sum_j b_j e^{(g_j - C_{ij})/\varepsilon}, \qquad
     g_j = -\varepsilon \log \sum_i a_i e^{(f_i - C_{ij})/\varepsilon},
 
-and the plan is ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)``. When ``epsilon`` is small
+and the plan is :math:`P_{ij} = a_i b_j \exp((f_i + g_j - C_{ij}) / \epsilon)`. When ``epsilon`` is small
 against the cost, it is annealed geometrically down to ``epsilon`` with the symmetric, averaged
 updates of Feydy et al. (2019). At ``epsilon`` the iterations run on a log-stabilised kernel
 (two batched mat-vecs each; potentials absorbed, with an exact log-domain update, whenever the
@@ -30,7 +30,8 @@ Gradients (``gradient=``):
 
 * ``"implicit"`` (default): exact. The loop runs without autograd; the backward pass solves the
   adjoint of the fixed-point equations, a symmetric positive semi-definite system
-  ``[[diag(a), P], [P^T, diag(b)]] [alpha; beta] = [df; dg]`` (one dense solve, or conjugate
+  :math:`\begin{pmatrix} \operatorname{diag}(a) & P \\ P^\top & \operatorname{diag}(b) \end{pmatrix}
+  \begin{pmatrix} \alpha \\ \beta \end{pmatrix} = \begin{pmatrix} \mathrm{d}f \\ \mathrm{d}g \end{pmatrix}` (one dense solve, or conjugate
   gradients for large problems). No iteration is stored.
 * ``"unroll"``: autograd through every iteration, run in the log domain; exact for the iterate
   it returns; memory ``O(B N M)`` for the cost plus ``O(iterations * B * (N + M))``, time about
@@ -339,7 +340,7 @@ def check_equal_mass(log_a: Tensor, log_b: Tensor) -> None:
 
 
 def transport_plan(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, epsilon: float) -> Tensor:
-    """The plan ``P_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)`` from the dual potentials.
+    r"""The plan :math:`P_{ij} = a_i b_j \exp((f_i + g_j - C_{ij}) / \epsilon)` from the dual potentials.
 
     Args:
         cost: ``(..., N, M)``.

@@ -36,11 +36,11 @@ __all__: list[str] = []
 
 
 class PlanKernel(NamedTuple):
-    """The plan of a solve in factored form, ``P = diag(a u) K diag(b v)`` with
-    ``a = exp(log_a)``, ``b = exp(log_b)``: the working kernel ``K`` ``(B, N, M)`` (rows and
+    r"""The plan of a solve in factored form, :math:`P = \operatorname{diag}(a u) \, K \operatorname{diag}(b v)` with
+    the marginals :math:`a, b` (``exp(log_a)``, ``exp(log_b)``): the working kernel ``K`` ``(B, N, M)`` (rows and
     columns of zero-mass points zeroed) and the scalings ``u`` ``(B, N)``, ``v`` ``(B, M)`` of
     the last (exact) row update. Callers that need the plan reuse it instead of rebuilding
-    ``exp((f + g - C) / eps)``: a few passes and an exp over ``(B, N, M)``.
+    :math:`\exp((f + g - C) / \epsilon)`: a few passes and an exp over ``(B, N, M)``.
 
     Example:
         >>> import math, torch

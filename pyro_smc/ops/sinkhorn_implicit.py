@@ -48,10 +48,10 @@ _ADJOINT_RESIDUAL_WARN = 1e-2
 
 
 def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> Tensor:
-    """Solves ``(I - K^T K + s s^T) x = rhs`` for every problem of the batch.
+    r"""Solves :math:`(I - K^\top K + s s^\top) x = \mathrm{rhs}` for every problem of the batch.
 
-    ``I - K^T K`` is positive semi-definite with null vector ``s = sqrt(b)`` (the gauge
-    ``f + c, g - c`` of the potentials); adding ``s s^T`` makes it definite without changing the
+    :math:`I - K^\top K` is positive semi-definite with null vector :math:`s = \sqrt{b}` (the gauge
+    ``f + c, g - c`` of the potentials); adding :math:`s s^\top` makes it definite without changing the
     solution on the consistent right-hand sides the backward pass produces.
 
     Conjugate gradients come first: the system's condition number is ``1 / (1 - sigma_2^2)``
@@ -122,15 +122,17 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
 
 
 def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Tensor | None, grad_g: Tensor, tol: float) -> tuple[Tensor, Tensor]:
-    """Adjoint variables of the Sinkhorn fixed point (the core of every implicit backward pass).
+    r"""Adjoint variables of the Sinkhorn fixed point (the core of every implicit backward pass).
 
-    With ``K_ij = P_ij / sqrt(a_i b_j)`` the adjoint system of the fixed-point equations reads
-    ``[[I, K], [K^T, I]] [alpha; beta] = [grad_f / sqrt(a); grad_g / sqrt(b)]``; it stays finite
+    With :math:`K_{ij} = P_{ij} / \sqrt{a_i b_j}` the adjoint system of the fixed-point equations reads
+    :math:`\begin{pmatrix} I & K \\ K^\top & I \end{pmatrix} \begin{pmatrix} \alpha \\ \beta \end{pmatrix}
+    = \begin{pmatrix} \bar f / \sqrt{a} \\ \bar g / \sqrt{b} \end{pmatrix}` (:math:`\bar f, \bar g` the incoming
+    ``grad_f``, ``grad_g``); it stays finite
     (``K`` is zero there) for points of zero weight and its spectrum lies in ``[0, 2]``. The
     gradients of the loss with respect to the cost and the log-weights follow from ``alpha``
     and ``beta``:
-    ``dC = K * (alpha_i sqrt(b_j) + sqrt(a_i) beta_j)``, ``d log a = -eps sqrt(a) K beta``,
-    ``d log b = -eps sqrt(b) K^T alpha``.
+    :math:`\mathrm{d}C_{ij} = K_{ij} (\alpha_i \sqrt{b_j} + \sqrt{a_i} \beta_j)`, :math:`\mathrm{d}\log a = -\epsilon \sqrt{a} \odot K \beta`,
+    :math:`\mathrm{d}\log b = -\epsilon \sqrt{b} \odot K^\top \alpha`.
 
     Args:
         kernel: ``K``, shape ``(..., N, M)``.

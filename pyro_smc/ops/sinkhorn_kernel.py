@@ -2,9 +2,9 @@ r"""Building blocks of log-stabilised Sinkhorn: batched mat-vecs, c-transforms, 
 
 See ``docs/math/smc.md#sinkhorn-in-the-log-domain``.
 
-The plan of a Sinkhorn iterate is ``P = diag(a u) K diag(b v)`` with the stabilised kernel
-``K_ij = exp((f_i + g_j - C_ij) / eps)``: the potentials ``f, g`` hold what has been absorbed
-and the scalings ``u, v`` stay O(1). This module holds the pieces every stage of the solver
+The plan of a Sinkhorn iterate is :math:`P = \operatorname{diag}(a u) \, K \operatorname{diag}(b v)` with the stabilised kernel
+:math:`K_{ij} = \exp((f_i + g_j - C_{ij}) / \epsilon)`: the potentials :math:`f, g` hold what has been absorbed
+and the scalings :math:`u, v` stay :math:`O(1)`. This module holds the pieces every stage of the solver
 (:mod:`pyro_smc.ops.sinkhorn_solver`), the adjoint (:mod:`pyro_smc.ops.sinkhorn_implicit`) and
 the fused ensemble transform (:mod:`pyro_smc.ops.ensemble`) share:
 the batched products with ``K``, the exact log-domain c-transform, and the handling of points
@@ -52,20 +52,20 @@ def log_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
 
 
 def rowsum(kernel: Tensor, v: Tensor) -> Tensor:
-    """``K v`` batched. Written as ``v^T K^T``: on CPU the row-vector form of a batched mat-vec
+    r""":math:`K v` batched. Written as :math:`v^\top K^\top`: on CPU the row-vector form of a batched mat-vec
     is several times faster than ``K @ v[..., None]`` (measured 9x at 32 x 100 x 100)."""
     return (v.unsqueeze(-2) @ kernel.transpose(-1, -2)).squeeze(-2)
 
 
 def colsum(kernel: Tensor, u: Tensor) -> Tensor:
-    """``K^T u`` batched."""
+    r""":math:`K^\top u` batched."""
     return (u.unsqueeze(-2) @ kernel).squeeze(-2)
 
 
 def thin_matmul(kernel: Tensor, x: Tensor, transpose: bool = False) -> Tensor:
-    """``K x`` (or ``K^T x``) for a thin ``x`` of shape ``(..., M, k)``, in the row form.
+    r""":math:`K x` (or :math:`K^\top x`) for a thin ``x`` of shape ``(..., M, k)``, in the row form.
 
-    The same layout effect as in :func:`rowsum`: ``(x^T K^T)^T`` with ``x^T`` contiguous ran
+    The same layout effect as in :func:`rowsum`: :math:`(x^\top K^\top)^\top` with :math:`x^\top` contiguous ran
     4x faster than ``K @ x`` at 32 x 100 x 100 with k = 3.
     """
     rows = x.transpose(-1, -2).contiguous()
@@ -73,7 +73,7 @@ def thin_matmul(kernel: Tensor, x: Tensor, transpose: bool = False) -> Tensor:
 
 
 def soft_min(cost: Tensor, pot: Tensor, log_w: Tensor, eps: float, rows: bool) -> Tensor:
-    """The c-transform ``-eps log sum exp((pot - C) / eps + log_w)`` over the points of ``pot``:
+    r"""The c-transform :math:`-\epsilon \log \sum \exp((\mathrm{pot} - C) / \epsilon + \log w)` over the points of ``pot``:
     ``rows=True`` maps row potentials ``f`` to column potentials ``g``, ``rows=False`` the reverse."""
     return -eps * torch.logsumexp(soft_min_logits(cost, pot, log_w, eps, rows), dim=-2 if rows else -1)
 
@@ -174,15 +174,15 @@ def log_domain_update(
 
 
 def complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Gives points whose mass underflowed to zero their true potentials, the c-transforms
-    ``g_j = -eps log sum_i a_i exp((f_i - C_ij) / eps)`` (and the same for ``f``).
+    r"""Gives points whose mass underflowed to zero their true potentials, the c-transforms
+    :math:`g_j = -\epsilon \log \sum_i a_i \exp((f_i - C_{ij}) / \epsilon)` (and the same for ``f``).
 
     The iterations pin such points' scalings to 1 (their marginals are empty, and 0 * inf would
     turn errors into NaN), which leaves their potentials at whatever was last absorbed. That is
     harmless for the plan while ``b_j`` is exactly zero, but a finite ``log b_j`` below the
     dtype's range (about -104 in float32, -745 in float64) still enters every kernel built in
-    log space, ``P_ij = exp(log a_i + log b_j + (f_i + g_j - C_ij) / eps)``: with a stale
-    ``g_j`` that column was off by ``exp((g_true_j - g_j) / eps)``, which in float32 on sharp
+    log space, :math:`P_{ij} = \exp(\log a_i + \log b_j + (f_i + g_j - C_{ij}) / \epsilon)`: with a stale
+    :math:`g_j` that column was off by :math:`\exp((g^{\mathrm{true}}_j - g_j) / \epsilon)`, which in float32 on sharp
     likelihoods reached 1e29 and made the adjoint system indefinite (gradients of 1e13 to 1e21).
     The c-transform is the potential the fixed point extends to those points, so every column
     of the plan then sums to its (underflowing) mass.

@@ -90,10 +90,10 @@ def epsilon_schedule(cost: Tensor, epsilon: float, scaling: float) -> list[float
 
 
 def _relaxation(rate: Tensor) -> Tensor:
-    """Per-problem over-relaxation factor from the observed contraction rate of plain Sinkhorn.
+    r"""Per-problem over-relaxation factor from the observed contraction rate of plain Sinkhorn.
 
     Near the fixed point Sinkhorn is a linear iteration contracting by ``rate`` per step; the
-    classical SOR choice ``omega = 2 / (1 + sqrt(1 - rate))`` (Thibault et al. 2017, Lehmann
+    classical SOR choice :math:`\omega = 2 / (1 + \sqrt{1 - \mathrm{rate}})` (Thibault et al. 2017, Lehmann
     et al. 2021) makes it contract by about ``omega - 1`` instead. The early rate underestimates
     the asymptotic one, which errs towards the safe side (smaller omega).
     """
@@ -140,7 +140,7 @@ def _relaxed(previous: Tensor, exact: Tensor, omega: Tensor) -> Tensor:
 # ``x @ K`` on (B, N) vectors adds an unsqueeze, a squeeze and matmul's dispatch, about 12 us
 # of the 47 us of one product at 32 x 100 x 100 (float32, one thread).
 def _cols(kernel: Tensor, u: Tensor) -> Tensor:
-    """``K^T u`` as a row vector ``(B, 1, M)`` for ``u`` of shape ``(B, 1, N)``."""
+    r""":math:`K^\top u` as a row vector ``(B, 1, M)`` for ``u`` of shape ``(B, 1, N)``."""
     return torch.bmm(u, kernel)
 
 
@@ -162,9 +162,9 @@ def _reciprocal(sums: Tensor, pin: Tensor | None) -> Tensor:
 
 @dataclass
 class _Working:
-    """The kernel-domain loop's working set: problems still iterating, flattened to ``(B, .)``.
+    r"""The kernel-domain loop's working set: problems still iterating, flattened to ``(B, .)``.
 
-    The plan is ``diag(a u) kernel diag(b v)`` with ``kernel = exp((f + g - C) / eps)``. Vectors
+    The plan is :math:`\operatorname{diag}(a u) \, K \operatorname{diag}(b v)` with the kernel :math:`K = \exp((f + g - C) / \epsilon)`. Vectors
     are rows ``(B, 1, N)``; ``a``, ``b`` are zero at zero-mass points, and the pins (``None``
     when no point of the batch has zero mass) are 1.0 there.
     """

@@ -39,7 +39,7 @@ __all__: list[str] = []
 
 
 class _SoftMin(torch.autograd.Function):
-    """``-eps logsumexp((pot - C) / eps + log_w)`` over the points of ``pot`` (one c-transform).
+    r""":math:`-\epsilon \operatorname{logsumexp}((\mathrm{pot} - C) / \epsilon + \log w)` over the points of ``pot`` (one c-transform).
 
     Autograd through ``torch.logsumexp`` would store an ``N x M`` tensor per call; this keeps
     only the vectors and recomputes the softmax in the backward pass, so an unrolled loop holds
@@ -81,7 +81,7 @@ def _c_transforms(cost: Tensor, log_a: Tensor, log_b: Tensor, eps: float) -> tup
 
 
 def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings) -> SinkhornResult:
-    """Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
+    r"""Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
 
     The fast loop of :func:`pyro_smc.ops.sinkhorn_solver.forward_solve` works on scalings
     ``u = 1 / (K v)``, whose derivative ``-1 / (K v)^2`` overflows (float32: as soon as a row's
@@ -92,7 +92,7 @@ def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhor
     is the price of this (small-problem) mode.
 
     The column error needs no extra pass: after ``f = f(g)`` the plan's columns sum to
-    ``b_j exp((g_j - g(f)_j) / eps)``, and ``g(f)`` is the next iteration's update anyway.
+    :math:`b_j \exp((g_j - g(f)_j) / \epsilon)`, and ``g(f)`` is the next iteration's update anyway.
 
     Returns:
         The :class:`SinkhornResult` over the broadcast batch shape; every problem runs the same

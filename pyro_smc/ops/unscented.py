@@ -1,8 +1,8 @@
-r"""The unscented transform: moments of ``f(x)`` for ``x ~ N(m, P)`` from ``2d + 1`` sigma points.
+r"""The unscented transform: moments of :math:`f(x)` for :math:`x \sim \mathcal N(m, P)` from :math:`2d + 1` sigma points.
 
-Sigma points ``m`` and ``m +- sqrt(d + lambda) L_i`` (``L`` the Cholesky factor of ``P``,
-``lambda = alpha^2 (d + kappa) - d``) with mean weights ``W_0 = lambda / (d + lambda)``,
-``W_i = 1 / (2 (d + lambda))`` and covariance weight ``W_0^c = W_0 + 1 - alpha^2 + beta``
+Sigma points :math:`m` and :math:`m \pm \sqrt{d + \lambda} \, L_i` (:math:`L` the Cholesky factor of :math:`P`,
+:math:`\lambda = \alpha^2 (d + \kappa) - d`) with mean weights :math:`W_0 = \lambda / (d + \lambda)`,
+:math:`W_i = 1 / (2 (d + \lambda))` and covariance weight :math:`W_0^c = W_0 + 1 - \alpha^2 + \beta`
 (Julier and Uhlmann; Sarkka, *Bayesian Filtering and Smoothing*, section 5.5). The transform is
 exact for linear ``f``. See ``docs/math/ep.md#unscented-transform``.
 
@@ -85,7 +85,7 @@ def unscented_moments(
     kappa: float | None = None,
     noise_cov: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Mean, covariance and input-output covariance of ``fn(x)`` (plus ``noise``), ``x ~ N(mean, cov)``.
+    r"""Mean, covariance and input-output covariance of ``fn(x)`` (plus ``noise``), :math:`x \sim \mathcal N(m, P)` (``mean``, ``cov``).
 
     Args:
         fn: maps a batch of points ``(..., n, d)`` to ``(..., n, e)``.

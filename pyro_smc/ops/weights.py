@@ -111,7 +111,7 @@ def normalize(log_weights: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def ess(log_weights: Tensor) -> Tensor:
-    """Effective sample size ``1 / sum_i w_i^2`` of normalised log-weights.
+    r"""Effective sample size :math:`1 / \sum_i w_i^2` of normalised log-weights.
 
     See ``docs/math/smc.md#effective-sample-size-and-adaptive-resampling``.
 

@@ -2,11 +2,13 @@ r"""The backward-factorised Gaussian family of online variational filtering (the
 
 See ``docs/math/streaming.md#backward-factorised-variational-family``.
 
-    q_t(x_{1:t}) = q_t(x_t) prod_{k < t} q_{k+1}(x_k | x_{k+1})
+.. math::
 
-(Campbell, Shi, Rainforth and Doucet, 2021). ``q_t(x_t)`` is a Gaussian filtering marginal with
-diagonal or full covariance; each backward kernel ``q(x_k | x_{k+1})`` is Gaussian with mean
-``W x_{k+1} + b`` (``backward="linear"``) or ``W x_{k+1} + b + MLP(x_{k+1})`` (``backward="mlp"``;
+    q_t(x_{1:t}) = q_t(x_t) \prod_{k < t} q_{k+1}(x_k \mid x_{k+1})
+
+(Campbell, Shi, Rainforth and Doucet, 2021). :math:`q_t(x_t)` is a Gaussian filtering marginal with
+diagonal or full covariance; each backward kernel :math:`q(x_k \mid x_{k+1})` is Gaussian with mean
+:math:`W x_{k+1} + b` (``backward="linear"``) or :math:`W x_{k+1} + b + \mathrm{MLP}(x_{k+1})` (``backward="mlp"``;
 the MLP's last layer starts at zero, so it starts linear).
 
 :class:`StreamingFamily` is the family alone: its parameters, its distributions, and the
@@ -70,9 +72,9 @@ def _mlp(x: Tensor, params: tuple[Tensor, ...]) -> Tensor:
 
 @dataclass
 class GaussianKernel:
-    """A Gaussian backward kernel ``q(x_prev | x_next)`` (frozen when its tensors are detached).
+    r"""A Gaussian backward kernel :math:`q(x_{\mathrm{prev}} \mid x_{\mathrm{next}})` (frozen when its tensors are detached).
 
-    ``mean = x_next @ weight^T + bias (+ MLP(x_next))``; ``scale`` is ``(d,)`` standard deviations
+    Its mean is :math:`W x_{\mathrm{next}} + b` (``weight``, ``bias``), plus :math:`\mathrm{MLP}(x_{\mathrm{next}})` when ``mlp`` is set; ``scale`` is ``(d,)`` standard deviations
     or a ``(d, d)`` Cholesky factor.
     """
 
@@ -94,7 +96,7 @@ class GaussianKernel:
 
 
 class StreamingFamily(pyro.nn.PyroModule):
-    """Gaussian filtering marginal plus ``num_kernels`` Gaussian backward kernels.
+    r"""Gaussian filtering marginal plus ``num_kernels`` Gaussian backward kernels.
 
     Construct it with ``num_kernels=1`` (the default) for the online role: the parameters are
     those of the current step only, under fixed names, and the online filter freezes a detached
@@ -121,8 +123,8 @@ class StreamingFamily(pyro.nn.PyroModule):
             are not a non-empty tuple of positive ints with ``backward="mlp"``.
 
     Example:
-        :meth:`marginals` pushes ``q(x_1) = N(1, 2)`` back through the kernel
-        ``x_0 | x_1 ~ N(0.5 x_1, 1)``, giving ``N(0.5, 0.25 * 2 + 1)`` for ``x_0``:
+        :meth:`marginals` pushes :math:`q(x_1) = \mathcal N(1, 2)` back through the kernel
+        :math:`x_0 \mid x_1 \sim \mathcal N(0.5 x_1, 1)`, giving :math:`\mathcal N(0.5, 0.25 \cdot 2 + 1)` for :math:`x_0`:
 
         >>> import torch
         >>> from pyro_smc.guides import StreamingFamily
@@ -230,7 +232,7 @@ class StreamingFamily(pyro.nn.PyroModule):
         return self.kernel(index).distribution(x_next)
 
     def joint_distribution(self, index: int = -1) -> dist.MultivariateNormal:
-        """``q(x_{t-1}, x_t)`` as one ``2d``-dimensional Gaussian (linear kernels only), ordered
+        r""":math:`q(x_{t-1}, x_t)` as one ``2d``-dimensional Gaussian (linear kernels only), ordered
         ``(x_{t-1}, x_t)``: the current step's pair (``index=-1``), or the pair of kernel ``index``."""
         if self.backward != "linear":
             raise NotImplementedError("joint_distribution needs linear backward kernels (backward='linear')")
@@ -295,7 +297,7 @@ class StreamingFamily(pyro.nn.PyroModule):
 
     @torch.no_grad()
     def set_marginal(self, loc: Tensor, covariance: Tensor | None = None, *, scale_tril: Tensor | None = None) -> None:
-        """Sets ``q(x_t) = N(loc, covariance)`` (a diagonal family keeps the diagonal).
+        r"""Sets :math:`q(x_t) = \mathcal N(\mathtt{loc}, \mathtt{covariance})` (a diagonal family keeps the diagonal).
 
         Args:
             loc: ``(d,)``.
@@ -312,7 +314,7 @@ class StreamingFamily(pyro.nn.PyroModule):
 
     @torch.no_grad()
     def set_kernel(self, weight: Tensor, bias: Tensor, covariance: Tensor | None = None, index: int = -1, *, scale_tril: Tensor | None = None) -> None:
-        """Sets kernel ``index`` to ``N(x_prev | weight x_next + bias, covariance)`` (MLP part zeroed);
+        r"""Sets kernel ``index`` to :math:`\mathcal N(x_{\mathrm{prev}} \mid W x_{\mathrm{next}} + b, \Sigma)` (``weight``, ``bias``, ``covariance``; MLP part zeroed);
         ``scale_tril`` (the covariance's lower Cholesky factor) may be passed instead of
         ``covariance``, as for :meth:`set_marginal`."""
         if (covariance is None) == (scale_tril is None):

@@ -4,9 +4,9 @@ messages it implies, and the EP evidence of the fitted chain.
 See ``docs/math/ep.md#expectation-propagation`` and ``docs/math/ep.md#the-ep-evidence``.
 
 A projection (:class:`~pyro_smc.infer.gaussian.projections.Projection`) turns the map ``f`` of a
-factor into the moments ``(mu_a, S_a, C)`` of ``a = f(x) + noise`` at a cavity ``N(m, P)``; the
-factor is then the implicit linear model ``a = J x + c + eps`` with ``J = C^T P^{-1}``,
-``c = mu_a - J m`` and ``Cov[eps] = S_a - J P J^T`` (a :class:`LinearFit`). Both schedules fit
+factor into the moments :math:`(\mu_a, S_a, C)` of :math:`a = f(x) + \mathrm{noise}` at a cavity :math:`\mathcal N(m, P)`; the
+factor is then the implicit linear model :math:`a = J x + c + \epsilon` with :math:`J = C^\top P^{-1}`,
+:math:`c = \mu_a - J m` and :math:`\operatorname{Cov}[\epsilon] = S_a - J P J^\top` (a :class:`LinearFit`). Both schedules fit
 through :class:`Factors`; the sequential one also takes its messages from here.
 
 Example:
@@ -44,17 +44,17 @@ __all__ = ["Factors", "LinearFit", "backward_message", "ep_log_evidence_incremen
 
 
 class LinearFit(NamedTuple):
-    """A factor's implicit linear model ``a = J x + c + eps``, ``eps ~ N(0, noise)``, fitted at a
+    r"""A factor's implicit linear model :math:`a = J x + c + \epsilon`, :math:`\epsilon \sim \mathcal N(0, \mathrm{noise})`, fitted at a
     cavity with mean ``at``. Every field may carry leading batch dims (the parallel schedule fits
     all factors at once).
 
     Attributes:
         at: ``(d,)`` the cavity mean the model was fitted at.
-        jacobian: ``J`` ``(e, d)``, ``C^T P^{-1}``.
-        offset: ``c`` ``(e,)``, ``mu_a - J at``.
-        mean: ``mu_a`` ``(e,)``, the projected mean of ``a``.
-        cov: ``S_a`` ``(e, e)``, its projected covariance (noise included).
-        noise: ``Cov[eps]`` ``(e, e)``, ``S_a - J P J^T``.
+        jacobian: :math:`J` ``(e, d)``, :math:`C^\top P^{-1}`.
+        offset: :math:`c` ``(e,)``, :math:`\mu_a - J \, \mathrm{at}`.
+        mean: :math:`\mu_a` ``(e,)``, the projected mean of ``a``.
+        cov: :math:`S_a` ``(e, e)``, its projected covariance (noise included).
+        noise: :math:`\operatorname{Cov}[\epsilon]` ``(e, e)``, :math:`S_a - J P J^\top`.
         y: for a measurement, the observed entries of ``y_t`` ``(e,)`` it conditions on (``e``
             counts only those); ``None`` for a transition.
 
@@ -105,7 +105,7 @@ class Factors:
         self.observation_projection = projection.for_factor("observation")
 
     def transition(self, cavity: Natural, t: int) -> LinearFit:
-        """The implicit linear model of ``x_{t+1} = f(x_t) + w`` at the cavity on ``x_t``."""
+        r"""The implicit linear model of :math:`x_{t+1} = f(x_t) + w` at the cavity on :math:`x_t`."""
         mean, cov = to_moment(*cavity)
         M, S, C = self.transition_projection.moments(self.ssm.transition_fn, mean, cov, t, self.ssm.transition_cov)
         J = torch.linalg.solve(cov, C).transpose(-1, -2)  # C^T P^{-1}
@@ -145,15 +145,15 @@ class Factors:
 
 
 def forward_message(fit: LinearFit, alpha: float) -> Natural:
-    """The forward message ``N(M, S - (1 - alpha) J P J^T)`` of a transition fit (power ``alpha``)."""
+    r"""The forward message :math:`\mathcal N(M, S - (1 - \alpha) J P J^\top)` of a transition fit (power :math:`\alpha`)."""
     return to_natural(fit.mean, fit.cov if alpha == 1.0 else fit.noise + alpha * (fit.cov - fit.noise))
 
 
 def backward_message(fit: LinearFit, data: Natural, alpha: float) -> Natural:
-    """The backward message of a transition fit given the data message ``(eta_m, Lambda_m)`` on
-    ``x_{t+1}``: with ``E = noise / alpha`` and ``H = (I + Lambda_m E)^{-1}``,
-    ``Lambda = J^T H Lambda_m J / alpha``, ``eta = J^T H (eta_m - Lambda_m c) / alpha``. It never
-    inverts ``Lambda_m``, singular whenever ``y`` has fewer dimensions than ``x``."""
+    r"""The backward message of a transition fit given the data message :math:`(\eta_m, \Lambda_m)` on
+    :math:`x_{t+1}`: with :math:`E = \operatorname{Cov}[\epsilon] / \alpha` and :math:`H = (I + \Lambda_m E)^{-1}`,
+    :math:`\Lambda = J^\top H \Lambda_m J / \alpha`, :math:`\eta = J^\top H (\eta_m - \Lambda_m c) / \alpha`. It never
+    inverts :math:`\Lambda_m`, singular whenever ``y`` has fewer dimensions than ``x``."""
     J, c, noise = fit.jacobian, fit.offset, fit.noise
     eta_m, lam_m = data
     eye = torch.eye(lam_m.shape[-1], dtype=lam_m.dtype, device=lam_m.device)

@@ -74,7 +74,7 @@ class EPState(NamedTuple):
 
 @dataclass(frozen=True)
 class GaussianSmootherResult:
-    """Gaussian marginals ``q(x_t)`` of a Gaussian filter, smoother or EP run.
+    r"""Gaussian marginals ``q(x_t)`` of a Gaussian filter, smoother or EP run.
 
     Attributes:
         means: ``(T, d)``.
@@ -83,7 +83,7 @@ class GaussianSmootherResult:
             smoother); ``None`` otherwise.
         history: for EP, one :class:`EPIteration` per sweep; empty otherwise.
         converged: whether EP stopped on ``tol`` (always ``True`` for filters and smoothers).
-        log_evidence: the prediction-error decomposition of ``log p(y_{1:T})`` under the filter's
+        log_evidence: the prediction-error decomposition of :math:`\log p(y_{1:T})` under the filter's
             Gaussian approximation (filters and smoothers); for EP, the same decomposition on the
             linear-Gaussian model of the last sweep (``docs/math/ep.md#the-ep-evidence``).
         log_evidence_increments: ``(T,)`` its per-step terms.

@@ -4,11 +4,11 @@ ELBO still estimates a lower bound.
 
 See ``docs/math/streaming.md#monte-carlo-error-of-the-running-elbo``.
 
-The running ELBO ``L_t = E[U_{t-1}(x_{t-1}) + delta_t]`` evaluates the regression ``U_{t-1}``, fitted
-on draws of ``q_{t-1}``, at the new kernel's draws of ``x_{t-1}``. Exact kernels draw from the
-smoothing distribution, which lies inside the filtering one; a kernel that puts ``x_{t-1}`` far
+The running ELBO :math:`L_t = \mathbb E[U_{t-1}(x_{t-1}) + \delta_t]` evaluates the regression :math:`U_{t-1}`, fitted
+on draws of :math:`q_{t-1}`, at the new kernel's draws of :math:`x_{t-1}`. Exact kernels draw from the
+smoothing distribution, which lies inside the filtering one; a kernel that puts :math:`x_{t-1}` far
 outside it (a failed optimisation) extrapolates the regression, whose error is then unbounded in
-both directions, so the estimate can exceed ``log p(y)``. :func:`extrapolation` measures it and
+both directions, so the estimate can exceed :math:`\log p(y)`. :func:`extrapolation` measures it and
 :class:`OnlineFilterWarning` reports it.
 
 Example:
@@ -61,14 +61,14 @@ INITIALIZE = ("laplace", "predict", "previous")
 
 
 class OnlineFilterWarning(UserWarning):
-    """A step of :class:`~pyro_smc.OnlineVariationalFilter` whose running ELBO cannot be trusted.
+    r"""A step of :class:`~pyro_smc.OnlineVariationalFilter` whose running ELBO cannot be trusted.
 
-    The running ELBO ``L_t = E[U_{t-1}(x_{t-1}) + delta_t]`` evaluates the value regression
-    ``U_{t-1}`` at the draws of the new backward kernel ``q_t(x_{t-1} | x_t)``. ``U_{t-1}`` was fitted
-    on draws of ``q_{t-1}``; when the kernel puts ``x_{t-1}`` far outside them (mean squared
-    Mahalanobis distance under ``q_{t-1}`` above ``d + EXTRAPOLATION_LIMIT``, that is ``d + 25``),
+    The running ELBO :math:`L_t = \mathbb E[U_{t-1}(x_{t-1}) + \delta_t]` evaluates the value regression
+    :math:`U_{t-1}` at the draws of the new backward kernel :math:`q_t(x_{t-1} \mid x_t)`. :math:`U_{t-1}` was fitted
+    on draws of :math:`q_{t-1}`; when the kernel puts :math:`x_{t-1}` far outside them (mean squared
+    Mahalanobis distance under :math:`q_{t-1}` above ``d + EXTRAPOLATION_LIMIT``, that is ``d + 25``),
     the regression is extrapolated, its error is unbounded in both directions, and
-    ``log_evidence`` is no longer an estimate of a lower bound (it can exceed ``log p(y)``). This
+    ``log_evidence`` is no longer an estimate of a lower bound (it can exceed :math:`\log p(y)`). This
     happens when the step's optimisation fails: too few ``num_iterations`` to recover from a poor
     start, or too large an ``lr``. Emitted once per stream, at the first such step; every such
     step is listed in ``OnlineVariationalFilter.unreliable_steps``.
@@ -227,7 +227,7 @@ def check_targets(targets: Tensor, where: str) -> None:
 
 
 def standard_error(values: Tensor) -> Tensor:
-    """The standard error ``sd / sqrt(N)`` of the mean of ``values`` ``(N,)``, computed on values
+    r"""The standard error :math:`\mathrm{sd} / \sqrt{N}` of the mean of ``values`` ``(N,)``, computed on values
     scaled by their largest deviation, so that it does not overflow where the variance would
     (float32 holds 3e38: deviations of 2e19 already overflow its square).
 
@@ -248,7 +248,7 @@ def standard_error(values: Tensor) -> Tensor:
 
 
 def mahalanobis_squared(marginal: dist.TorchDistribution, x: Tensor) -> Tensor:
-    """``(x - m)^T S^{-1} (x - m)`` ``(N,)`` per row of ``x`` ``(N, d)`` under a Gaussian marginal
+    r""":math:`(x - m)^\top S^{-1} (x - m)` ``(N,)`` per row of ``x`` ``(N, d)`` under a Gaussian marginal
     (``Normal(...).to_event(1)`` or ``MultivariateNormal``).
 
     Example:

@@ -3,9 +3,9 @@ r"""Online learning of the model's parameters ``theta`` by the online variationa
 See ``docs/math/streaming.md#online-parameter-learning``.
 
 The variational analogue of recursive maximum likelihood: per-sample scores
-``s_t = grad_theta [log f + log g]`` feed a regression ``S_t(x_t) ~ S_{t-1}(x_{t-1}) + s_t``,
-``G_t = E_{q_t}[S_t]`` estimates ``grad_theta L_t`` (the gradient of the running lower bound),
-and ``theta <- theta + eta_t (G_t - G_{t-1})`` with a Robbins-Monro step size ``eta_t``.
+:math:`s_t = \nabla_\theta [\log f + \log g]` feed a regression :math:`S_t(x_t) \approx S_{t-1}(x_{t-1}) + s_t`,
+:math:`G_t = \mathbb E_{q_t}[S_t]` estimates :math:`\nabla_\theta L_t` (the gradient of the running lower bound),
+and :math:`\theta \leftarrow \theta + \eta_t (G_t - G_{t-1})` with a Robbins-Monro step size :math:`\eta_t`.
 
 ``theta`` is every ``pyro.param`` / ``PyroParam`` that ``model.step`` reads, updated in place as
 its unconstrained leaf in Pyro's parameter store.
@@ -45,7 +45,7 @@ __all__ = ["ParameterLearner", "model_parameter_names", "robbins_monro", "step_s
 
 
 def robbins_monro(lr: float) -> Callable[[int], float]:
-    """The step-size schedule ``eta_t = lr * 10 / (10 + t^0.6)`` .
+    r"""The step-size schedule :math:`\eta_t = 10 \, \mathrm{lr} / (10 + t^{0.6})` (``lr`` the base rate).
 
     Example:
         >>> round(robbins_monro(0.1)(0), 3), round(robbins_monro(0.1)(100), 3)
@@ -137,7 +137,7 @@ class ParameterLearner:
                 offset += size
 
     def gradient(self) -> dict[str, Tensor]:
-        """The last estimate ``G_t`` of ``grad_theta log p(y_{1:t})``, per parameter (with respect to
+        r"""The last estimate :math:`G_t` of :math:`\nabla_\theta \log p(y_{1:t})`, per parameter (with respect to
         its unconstrained value, detached); empty before the first update."""
         if self.theta is None or self.grad_previous is None:
             return {}

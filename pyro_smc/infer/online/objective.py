@@ -2,16 +2,18 @@ r"""The per-step objective of online variational filtering and its optimisation.
 
 See ``docs/math/streaming.md#step-objective``.
 
-With ``q_{t-1}`` frozen, the step's log-evidence increment for a pair ``(x_{t-1}, x_t)`` drawn
-from ``q_t(x_t) q_t(x_{t-1} | x_t)`` is::
+With :math:`q_{t-1}` frozen, the step's log-evidence increment for a pair :math:`(x_{t-1}, x_t)` drawn
+from :math:`q_t(x_t) \, q_t(x_{t-1} \mid x_t)` is
 
-    delta(x_{t-1}, x_t) = log q_{t-1}(x_{t-1}) + log f(x_t | x_{t-1}) + log g(y_t | x_t)
-                          - log q_t(x_{t-1} | x_t) - log q_t(x_t)
+.. math::
 
-(at the first step ``log mu(x_0) + log g(y_0 | x_0) - log q_0(x_0)``), and ``phi_t`` maximises
-``E[U_{t-1}(x_{t-1}) + delta]`` where ``U_{t-1}`` is the regression of the past (the running
-lower bound on ``log p(y_{1:t})`` is that expectation). :func:`draw` samples the pair,
-:func:`increment` evaluates ``delta`` per sample, and :class:`StepOptimiser` maximises the
+    \delta(x_{t-1}, x_t) = {} & \log q_{t-1}(x_{t-1}) + \log f(x_t \mid x_{t-1}) + \log g(y_t \mid x_t) \\
+                          & - \log q_t(x_{t-1} \mid x_t) - \log q_t(x_t)
+
+(at the first step :math:`\log \mu(x_0) + \log g(y_0 \mid x_0) - \log q_0(x_0)`), and :math:`\phi_t` maximises
+:math:`\mathbb E[U_{t-1}(x_{t-1}) + \delta]` where :math:`U_{t-1}` is the regression of the past (the running
+lower bound on :math:`\log p(y_{1:t})` is that expectation). :func:`draw` samples the pair,
+:func:`increment` evaluates :math:`\delta` per sample, and :class:`StepOptimiser` maximises the
 reparameterised Monte Carlo estimate by Adam, until the gradient rule of
 :mod:`~pyro_smc.infer.online.stopping` finds nothing more to resolve (before the first iteration
 when the start is optimal).
@@ -80,12 +82,12 @@ def converged(values: list[float], tol: float, window: int = STOP_WINDOW) -> boo
 
 
 class Draw(NamedTuple):
-    """Samples from ``q_t(x_t) q_t(x_{t-1} | x_t)``.
+    r"""Samples from :math:`q_t(x_t) \, q_t(x_{t-1} \mid x_t)`.
 
     Attributes:
         marginal: ``q_t(x_t)``, event shape ``(d,)``.
         x_t: ``(N, d)``.
-        kernel: ``q_t(x_{t-1} | x_t)`` with batch shape ``(N,)`` (``None`` at the first step).
+        kernel: :math:`q_t(x_{t-1} \mid x_t)` with batch shape ``(N,)`` (``None`` at the first step).
         x_prev: ``(N, d)`` (``None`` at the first step).
     """
 
@@ -125,10 +127,10 @@ def draw(guide: StreamingFamily, context: StepContext, num_samples: int, reparam
 
 
 def increment(context: StepContext, pairs: Draw) -> tuple[Tensor, dict]:
-    """``delta`` per sample, ``(N,)``, and the model's ``state`` after the step.
+    r"""``delta`` per sample, ``(N,)``, and the model's ``state`` after the step.
 
     Differentiable in ``phi_t`` through reparameterised draws and in the model's parameters
-    through ``log f + log g`` (the only terms that depend on them).
+    through :math:`\log f + \log g` (the only terms that depend on them).
     """
     log_joint, state = context.log_joint(pairs.x_prev, pairs.x_t)
     delta = log_joint - pairs.marginal.log_prob(pairs.x_t)
@@ -138,7 +140,7 @@ def increment(context: StepContext, pairs: Draw) -> tuple[Tensor, dict]:
 
 
 class StepOptimiser:
-    """Fits ``phi_t`` by Adam on the reparameterised estimate of ``E[U_{t-1}(x_{t-1}) + delta]``.
+    r"""Fits ``phi_t`` by Adam on the reparameterised estimate of :math:`\mathbb E[U_{t-1}(x_{t-1}) + \delta]`.
 
     Adam moves the whitened coordinates of the step's start
     (:class:`~pyro_smc.guides.streaming.frame.StepFrame`), not the family's parameters: an
@@ -247,15 +249,15 @@ class StepOptimiser:
 def check_gradients(
     guide: StreamingFamily, context: StepContext, value: Regressor | None, named: list, frame: StepFrame, w: dict[str, Tensor], num_samples: int
 ) -> tuple[Tensor, Checked]:
-    """The whitened gradients of the step's objective on ``num_samples`` fresh reparameterised
+    r"""The whitened gradients of the step's objective on ``num_samples`` fresh reparameterised
     draws, per group (:func:`~pyro_smc.infer.online.stopping.group_gradients`), ``(K, P)``, and
     the draws with their increments (``z`` left at ``nan``).
 
-    The model's part of the objective, ``log f + log g + log q_{t-1} + U_{t-1}``, depends on the
+    The model's part of the objective, :math:`\log f + \log g + \log q_{t-1} + U_{t-1}`, depends on the
     variational parameters only through the draws, and each draw's value only on that draw: one
     plain backward pass gives its gradient in every draw, and only the guide's small graph is
     differentiated per group, through the surrogate
-    ``<grad_x, x(phi)> - log q_t(x_t) - log q_t(x_{t-1} | x_t)``, whose gradient is the
+    :math:`\langle \nabla_x, x(\phi) \rangle - \log q_t(x_t) - \log q_t(x_{t-1} \mid x_t)`, whose gradient is the
     objective's (a batched pass through the model's graph costs about twice as much).
     """
     pairs = draw(guide, context, num_samples, reparameterise=True)

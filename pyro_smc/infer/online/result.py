@@ -25,12 +25,12 @@ __all__ = ["OnlineFilterResult"]
 
 
 class OnlineFilterResult(NamedTuple):
-    """A snapshot of :class:`~pyro_smc.OnlineVariationalFilter` after ``T`` steps, state dimension ``d``
+    r"""A snapshot of :class:`~pyro_smc.OnlineVariationalFilter` after ``T`` steps, state dimension ``d``
     (detached tensors).
 
     Attributes:
         log_evidence: scalar, the running ELBO: a Monte Carlo estimate of a lower bound on
-            ``log p(y_{1:T})``.
+            :math:`\log p(y_{1:T})`.
         log_evidence_increments: ``(T,)`` its per-step terms (they sum to ``log_evidence``).
         filtering_means: ``(T, d)`` means of the filtering marginals ``q_t(x_t)``.
         filtering_covariances: ``(T, d, d)`` their covariances.

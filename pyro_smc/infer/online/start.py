@@ -59,14 +59,14 @@ NEWTON_STEPS = 5
 
 @torch.no_grad()
 def initialise(guide: StreamingFamily, context: StepContext, prior: Discovery, laplace: bool) -> None:
-    """Sets ``guide``'s marginal at the prediction (and, with ``laplace``, the Laplace update) and
+    r"""Sets ``guide``'s marginal at the prediction (and, with ``laplace``, the Laplace update) and
     its kernel at the regression of ``x_{t-1}`` on ``x_t`` under the prediction.
 
     Args:
         guide: the per-step family, changed in place.
         context: the step, with its latent site discovered.
         prior: the discovery run's draws (:meth:`StepContext.discover`).
-        laplace: take up to ``NEWTON_STEPS`` Newton steps on ``log g(y_t | x_t)``; ``False`` for a
+        laplace: take up to ``NEWTON_STEPS`` Newton steps on :math:`\log g(y_t \mid x_t)`; ``False`` for a
             missing observation or ``initialize="predict"``.
 
     Raises:
@@ -121,18 +121,18 @@ def _prediction(prior: Discovery, d: int) -> tuple[Tensor, Tensor]:
 
 
 def _joint_prediction(prior: Discovery, previous: TorchDistribution, d: int) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]] | None:
-    """The prediction's mean ``(d,)`` and covariance ``(d, d)``, and the backward kernel
+    r"""The prediction's mean ``(d,)`` and covariance ``(d, d)``, and the backward kernel
     ``(weight, bias, scale_tril)`` of ``x_{t-1}`` given ``x_t`` under it, with the linear part of the
     transition mean as a control variate (``docs/math/streaming.md#initialising-a-step``).
 
-    In the whitened ``z = L_{t-1}^{-1} (x_{t-1} - m_{t-1})`` (exactly ``N(0, I)``) the transition
-    mean is regressed on the draws, ``mu(x_{t-1}) = a + B z + r(z)``; its mean is ``a`` and its
-    covariance ``B B^T + Cov(r)``, and ``Cov(x_{t-1}, x_t) = L_{t-1} B^T`` (Stein's lemma: the
-    population slope is ``E[d mu / d z]``). For a linear transition ``r = 0`` and all three are
+    In the whitened :math:`z = L_{t-1}^{-1} (x_{t-1} - m_{t-1})` (exactly :math:`\mathcal N(0, I)`) the transition
+    mean is regressed on the draws, :math:`\mu(x_{t-1}) = a + B z + r(z)`; its mean is :math:`a` and its
+    covariance :math:`B B^\top + \operatorname{Cov}(r)`, and :math:`\operatorname{Cov}(x_{t-1}, x_t) = L_{t-1} B^\top` (Stein's lemma: the
+    population slope is :math:`\mathbb E[\partial \mu / \partial z]`). For a linear transition :math:`r = 0` and all three are
     exact whatever the draws, so a linear-Gaussian step starts at the Kalman update and the
     Kalman backward kernel with no Monte Carlo error. The kernel's covariance is taken in the
-    information form ``L_{t-1} (I + B^T Q^{-1} B)^{-1} L_{t-1}^T`` (``Q`` the transition noise plus
-    ``Cov(r)``), which a precise transition does not cancel away. ``None`` where a moment is not
+    information form :math:`L_{t-1} (I + B^\top Q^{-1} B)^{-1} L_{t-1}^\top` (:math:`Q` the transition noise plus
+    :math:`\operatorname{Cov}(r)`), which a precise transition does not cancel away. ``None`` where a moment is not
     finite or a matrix not numerically positive definite (the caller then falls back to the
     plain moments, which name the step when they are not finite).
     """
@@ -177,7 +177,7 @@ def _finite(*tensors: Tensor) -> bool:
 
 
 def _laplace_update(context: StepContext, m: Tensor, cov: Tensor, x_prev: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The Laplace approximation of ``N(x; m, cov) g(y_t | x)`` as ``(loc, scale_tril)``
+    r"""The Laplace approximation of :math:`\mathcal N(x; m, \mathtt{cov}) \, g(y_t \mid x)` as ``(loc, scale_tril)``
     (:func:`pyro_smc.ops.laplace.laplace_newton`).
 
     One Newton step first, then the step the loop would take next, from that step's curvature:

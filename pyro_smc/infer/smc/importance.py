@@ -1,15 +1,15 @@
-"""The incremental importance weight of one SMC step, read off the model's and guide's traces.
+r"""The incremental importance weight of one SMC step, read off the model's and guide's traces.
 
-One step's weight is ``log omega = log f(x_t | x_{t-1}) + log g(y_t | x_t) - log q(x_t | ...)``:
-observed sites give ``log g``; latent sites the guide proposed give ``log f - log q``; a latent site
-drawn from the model's own transition contributes ``f / f = 1`` and is not scored. Every term is
+One step's weight is :math:`\log \omega = \log f(x_t \mid x_{t-1}) + \log g(y_t \mid x_t) - \log q(x_t \mid \dots)`:
+observed sites give :math:`\log g`; latent sites the guide proposed give :math:`\log f - \log q`; a latent site
+drawn from the model's own transition contributes :math:`f / f = 1` and is not scored. Every term is
 reduced to one number per particle (the model's own plates summed) and centred per filter before
 the terms are added, so a huge constant term cannot round the per-particle differences away.
 
 With stop-gradient resampling the proposal draws are detached and :func:`score_terms` gives each
-proposal site's ``log q - stop_grad(log q)``: zero in value, the score of the draw in autograd.
+proposal site's :math:`\log q - \operatorname{stop\_grad}(\log q)`: zero in value, the score of the draw in autograd.
 With marginal stop-gradient resampling :func:`pairwise_transition_log_density` gives
-``log f(x_t^i | x_{t-1}^j)`` for every pair of particles instead
+:math:`\log f(x_t^i \mid x_{t-1}^j)` for every pair of particles instead
 (see ``docs/math/smc.md#marginal-stop-gradient``).
 
 See ``docs/math/smc.md#one-step-of-the-filter`` and ``docs/math/smc.md#log-evidence-estimate``
@@ -122,7 +122,7 @@ def log_weight_terms(
     partial: tuple[Tensor, Tensor, str] | None = None,
     active: Tensor | None = None,
 ) -> list[tuple[str, Tensor]]:
-    """Per-site contributions to ``log omega``, each reduced to the particle shape.
+    r"""Per-site contributions to :math:`\log \omega`, each reduced to the particle shape.
 
     Args:
         model_trace: the model's step, replayed on the guide's draws.
@@ -174,11 +174,11 @@ def log_weight_terms(
 
 
 def mask_missing_components(model_trace: Trace, filled: Tensor, observed: Tensor, where: str) -> None:
-    """Scores the observed site fed with a partly missing observation on its observed entries.
+    r"""Scores the observed site fed with a partly missing observation on its observed entries.
 
     The site is the one whose value is the tensor the engine passed (or equals it, broadcast). Its
     distribution must factorise over the observation's entries: a univariate distribution, possibly
-    reinterpreted by ``to_event`` (``Independent``); then ``log p(y_obs)`` is the sum of the
+    reinterpreted by ``to_event`` (``Independent``); then :math:`\log p(y_{\mathrm{obs}})` is the sum of the
     entries' log-densities over the observed ones. The result is memoised on the trace
     (``unscaled_log_prob``/``log_prob``, scale and mask applied as Pyro does), where
     :func:`~pyro_smc.tracing.site_log_probs` finds it. See ``docs/math/smc.md#missing-observations``.
@@ -222,11 +222,11 @@ def mask_missing_components(model_trace: Trace, filled: Tensor, observed: Tensor
 
 
 def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleLayout, active: Tensor | None = None) -> Tensor | None:
-    """The score-function terms of one step's proposal draws, summed per particle.
+    r"""The score-function terms of one step's proposal draws, summed per particle.
 
     The proposal is the guide's latent sites (density ``q``) and the model's latent sites the
     guide does not sample (drawn from the model itself: ``q = f``). Each contributes
-    ``log q(x) - stop_grad(log q(x))``: zero in value, ``d log q(x)`` in autograd, with the draw
+    :math:`\log q(x) - \operatorname{stop\_grad}(\log q(x))`: zero in value, :math:`\nabla \log q(x)` in autograd, with the draw
     ``x`` itself detached. A non-finite ``log q`` contributes zero. With ``active`` ``(B,)`` (a
     batch of sequences at a step where some filters observe nothing) the other filters drew every
     site from the model, so their guide sites' scores are the model's, ``q = f``.
@@ -252,14 +252,14 @@ def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleL
 
 
 def pairwise_transition_log_density(model_trace: Trace, layout: ParticleLayout) -> Tensor | None:
-    """``log f(x_t^i | x_{t-1}^j)`` for every pair ``(i, j)`` of particles of a filter.
+    r""":math:`\log f(x_t^i \mid x_{t-1}^j)` for every pair ``(i, j)`` of particles of a filter.
 
     Each latent site's distribution ``fn`` has the particle shape as batch shape, its index being
     the parent ``j`` (the particle whose previous state built it); its value, index ``i``, is
     reshaped to broadcast against that batch (``(N_i, B, 1, *event)`` against ``(B, N_j)``), so one
     ``fn.log_prob`` call gives all pairs, with no loop over particles. The sites' terms are summed:
     several latent sites are fine as long as each depends on the previous state only (checked by
-    the caller). Memory ``O(B N^2)`` (times the event size inside ``log_prob``).
+    the caller). Memory :math:`O(B N^2)` (times the event size inside ``log_prob``).
     See ``docs/math/smc.md#marginal-stop-gradient``.
 
     Returns:
@@ -338,7 +338,7 @@ def _per_particle(log_p: Tensor, site: dict, layout: ParticleLayout) -> Tensor:
 
 
 def centred_increment(terms: list[tuple[str, Tensor]], layout: ParticleLayout) -> tuple[Tensor, Tensor]:
-    """``log omega`` up to a constant per filter, and that constant.
+    r""":math:`\log \omega` up to a constant per filter, and that constant.
 
     Each site's term is shifted by its per-filter maximum over particles before the terms
     are summed. A term that is large but (nearly) the same for every particle, e.g. a
@@ -347,8 +347,8 @@ def centred_increment(terms: list[tuple[str, Tensor]], layout: ParticleLayout) -
     per filter cancels in the normalised weights, so the shifts are needed only for the
     log-evidence, where the caller adds them back.
 
-    The shifts are detached constants: ``logsumexp(log w + sum_k (term_k - m_k)) + sum_k m_k``
-    then has the value *and* the gradient of ``logsumexp(log w + sum_k term_k)``, the
+    The shifts are detached constants: :math:`\operatorname{logsumexp}(\log w + \sum_k (\mathrm{term}_k - m_k)) + \sum_k m_k`
+    then has the value *and* the gradient of :math:`\operatorname{logsumexp}(\log w + \sum_k \mathrm{term}_k)`, the
     gradient flowing through the centred terms (adding back an un-detached ``m_k`` would
     count ``d m_k`` twice).
 

@@ -33,10 +33,10 @@ __all__ = ["SMCResult", "StepRecord", "stack_records"]
 
 
 class StepRecord(NamedTuple):
-    """One step of ``B`` filters, as :meth:`SMC.step <pyro_smc.SMC.step>` returns it to the engine.
+    r"""One step of ``B`` filters, as :meth:`SMC.step <pyro_smc.SMC.step>` returns it to the engine.
 
     Attributes:
-        log_evidence_increment: ``(B,)`` ``log p_hat(y_t | y_{1:t-1})`` (an ``init`` that scores
+        log_evidence_increment: ``(B,)`` :math:`\log \hat p(y_t \mid y_{1:t-1})` (an ``init`` that scores
             sites adds its term to the first step's); 0 at a predict-only step. Keeps its graph.
         filtering_means: ``{key: (B, *event)}`` weighted means of each state entry, taken before
             resampling. Keep their graph.
@@ -57,14 +57,14 @@ class StepRecord(NamedTuple):
 
 
 class SMCResult(NamedTuple):
-    """A snapshot of a particle filter run over ``T`` steps with ``B`` independent filters.
+    r"""A snapshot of a particle filter run over ``T`` steps with ``B`` independent filters.
 
     The tensors keep their autograd graph (``log_evidence`` and the means are differentiable under a
     differentiable resampler); ``ess`` and the flags are detached diagnostics.
 
     Attributes:
-        log_evidence: ``(B,)`` ``log Z_hat``; ``exp(log_evidence)`` is unbiased for the evidence.
-        log_evidence_increments: ``(T, B)`` ``log p_hat(y_t | y_{1:t-1})`` per step (an ``init``
+        log_evidence: ``(B,)`` :math:`\log \hat Z`; ``exp(log_evidence)`` is unbiased for the evidence.
+        log_evidence_increments: ``(T, B)`` :math:`\log \hat p(y_t \mid y_{1:t-1})` per step (an ``init``
             that scores sites adds its term to the first step); 0 at a predict-only step.
         filtering_means: ``{key: (T, B, *event)}`` weighted means of each state entry (labels
             included), taken before resampling.

@@ -1,7 +1,7 @@
-"""The score-function (stop-gradient) terms of :class:`~pyro_smc.SMC` that need the step's state.
+r"""The score-function (stop-gradient) terms of :class:`~pyro_smc.SMC` that need the step's state.
 
 With an index resampler built with ``gradient="stop_gradient"`` the engine detaches its proposal
-draws and adds each draw's ``log q - stop_grad(log q)`` to the particle's log-weight (zero in value,
+draws and adds each draw's :math:`\log q - \operatorname{stop\_grad}(\log q)` to the particle's log-weight (zero in value,
 the score in autograd); with ``gradient="marginal_stop_gradient"`` it adds the score of the marginal
 (mixture) transition density instead. The per-site terms themselves are
 :func:`~pyro_smc.infer.smc.importance.score_terms` and
@@ -14,22 +14,22 @@ See ``docs/math/smc.md#stop-gradient-resampling`` and ``docs/math/smc.md#margina
 ``gradient="stop_gradient"`` (``SMC`` reads the resampler's
 :class:`~pyro_smc.resamplers.GradientEstimator`; see :attr:`SMC.score_function <pyro_smc.SMC.score_function>`) the forward pass is unchanged bit for bit, but every proposal draw
 is detached (no pathwise gradient) and each particle's log-weight gains
-``log q(x) - stop_grad(log q(x))`` for each proposal site (guide sites; model latent sites the
-guide does not sample, for which ``q = f``), zero in value. Autodiff of ``log_evidence`` then
-returns ``G = sum_i w_T^i d log p(x^i_{1:T}, y_{1:T})`` over the particles' ancestral paths
+:math:`\log q(x) - \operatorname{stop\_grad}(\log q(x))` for each proposal site (guide sites; model latent sites the
+guide does not sample, for which :math:`q = f`), zero in value. Autodiff of ``log_evidence`` then
+returns :math:`G = \sum_i w_T^i \nabla_\theta \log p(x^i_{1:T}, y_{1:T})` over the particles' ancestral paths
 (Scibior and Wood, 2021), which reaches parameters acting only through discrete draws (a
-switching probability). What is unbiased: ``E[Z_hat G] = dZ/dtheta`` exactly, so
-``E[(Z_hat / Z) G] = d log Z / d theta`` (the exact score); ``E[G]`` itself is biased for the
-score (a ratio of estimates; the bias is ``O(1/N)``). Proposal parameters get zero gradient in
+switching probability). What is unbiased: :math:`\mathbb E[\hat Z G] = \nabla_\theta Z` exactly, so
+:math:`\mathbb E[(\hat Z / Z) G] = \nabla_\theta \log Z` (the exact score); :math:`\mathbb E[G]` itself is biased for the
+score (a ratio of estimates; the bias is :math:`O(1/N)`). Proposal parameters get zero gradient in
 this mode, and ``NonReparameterizedGradientWarning`` is not raised.
 See ``docs/math/smc.md#stop-gradient-resampling``.
 
 **Marginal stop-gradient mode.** With ``gradient="marginal_stop_gradient"`` (same resampler
 output) each step after the first replaces the single-ancestor score by that of the marginal
-transition density: the log-weight becomes ``stop_grad(log w_{t-1}^i) + log omega_t^i + m_i -
-stop_grad(m_i)``, ``m_i = log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)`` over all particle pairs of a
-filter (one vectorised ``log_prob`` per latent site; ``O(B N^2)`` time and memory per step). The
-forward pass is again unchanged, ``E[Z_hat G] = dZ/dtheta`` still holds exactly, and the variance
+transition density: the log-weight becomes :math:`\operatorname{stop\_grad}(\log w_{t-1}^i) + \log \omega_t^i + m_i -
+\operatorname{stop\_grad}(m_i)`, :math:`m_i = \log \sum_j w_{t-1}^j f(x_t^i \mid x_{t-1}^j)` over all particle pairs of a
+filter (one vectorised ``log_prob`` per latent site; :math:`O(B N^2)` time and memory per step). The
+forward pass is again unchanged, :math:`\mathbb E[\hat Z G] = \nabla_\theta Z` still holds exactly, and the variance
 of ``G`` grows far more slowly with ``T`` (Poyiadjis, Doucet and Singh, 2011). Bootstrap filters
 only, ``max_plate_nesting == 0``, and every latent site must depend on the previous state only;
 otherwise ``ValueError``. See ``docs/math/smc.md#marginal-stop-gradient``.
@@ -59,8 +59,8 @@ __all__ = ["add_scores", "marginal_scores"]
 
 
 def marginal_scores(program, proposal, log_weights: Tensor, before, state, model, inputs, layout: ParticleLayout) -> Tensor | None:
-    """``m_i - stop_grad(m_i)`` ``(B, N)`` for the step just traced, with
-    ``m_i = log sum_j w_{t-1}^j f(x_t^i | x_{t-1}^j)`` and ``log_weights`` the previous ones (the
+    r"""``m_i - stop_grad(m_i)`` ``(B, N)`` for the step just traced, with
+    :math:`m_i = \log \sum_j w_{t-1}^j f(x_t^i \mid x_{t-1}^j)` and ``log_weights`` the previous ones (the
     caller then detaches them: their gradient enters through ``m_i`` only). ``None`` when the step
     drew nothing.
 
@@ -105,11 +105,11 @@ def _check_sites_independent(program, proposal, latent, before, state, model, in
 
 
 def add_scores(weights: ParticleWeights, score: Tensor) -> ParticleWeights:
-    """The weights after a step that scored nothing but its score terms ``score`` ``(B, N)``
+    r"""The weights after a step that scored nothing but its score terms ``score`` ``(B, N)``
     (zero in value).
 
     The weights take ``score - delta`` and the log-evidence ``delta``, with
-    ``delta = lse - stop_grad(lse)`` and ``lse = logsumexp(log w + score)``: all zero in value, so
+    :math:`\delta = \mathrm{lse} - \operatorname{stop\_grad}(\mathrm{lse})` and :math:`\mathrm{lse} = \operatorname{logsumexp}(\log w + \mathrm{score})`: all zero in value, so
     the forward numbers stay bit-identical, while in autograd the weights stay normalised and
     ``log_evidence + log w`` keeps the scores of each particle's path.
     """

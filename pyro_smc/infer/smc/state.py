@@ -84,11 +84,11 @@ class SMCState(dict):
 
 
 class ParticleWeights(NamedTuple):
-    """The weights of ``B`` filters of ``N`` particles.
+    r"""The weights of ``B`` filters of ``N`` particles.
 
     Attributes:
         log_weights: ``(B, N)`` normalised log-weights (``logsumexp`` 0 per filter), with their graph.
-        log_evidence: ``(B,)`` the running ``log Z_hat``, with its graph.
+        log_evidence: ``(B,)`` the running :math:`\log \hat Z`, with its graph.
         unreported: ``(B,)`` the part of ``log_evidence`` gained since the last step record
             (``None``: nothing).
     """

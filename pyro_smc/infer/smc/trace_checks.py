@@ -77,9 +77,9 @@ def latent_kept_outside_state(model_trace: Trace, state: dict[str, Tensor], mode
 
 
 def warn_untrainable_proposal(guide_trace: Trace, estimator: str) -> bool:
-    """Warns that a score-function estimator gives the guide's parameters no gradient.
+    r"""Warns that a score-function estimator gives the guide's parameters no gradient.
 
-    The Fisher identity differentiates ``log p(x, y)`` along the particles' paths: the proposal
+    The Fisher identity differentiates :math:`\log p(x, y)` along the particles' paths: the proposal
     changes only which paths are drawn, so its parameters get exactly zero gradient, and a guide
     trained with this estimator ends where it started. The message names the guide's sites;
     :class:`~pyro_smc.SMCELBO`, which builds an engine per SVI step, shows it once per loss.
