@@ -151,13 +151,17 @@ def mean_se(values) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
 
 
-def profile_steps(ys: torch.Tensor, n: int, repeats: int) -> dict:
-    """Microseconds per step in each stage of ``SMC``, by timers wrapped around the engine's stages."""
-    totals = collections.Counter()
-    patched = []
+class StageTimers:
+    """Wall-clock timers wrapped around named methods or module functions (``timed``), removed by
+    ``restore``; ``totals`` holds the seconds spent in each label."""
 
-    def timed(owner, name, label):
+    def __init__(self):
+        self.totals = collections.Counter()
+        self.patched = []
+
+    def timed(self, owner, name, label):
         original = getattr(owner, name)
+        totals = self.totals
 
         @functools.wraps(original)
         def wrapper(*a, **k):
@@ -168,8 +172,17 @@ def profile_steps(ys: torch.Tensor, n: int, repeats: int) -> dict:
                 totals[label] += time.perf_counter() - start
 
         setattr(owner, name, wrapper)
-        patched.append((owner, name, original))
+        self.patched.append((owner, name, original))
 
+    def restore(self):
+        for owner, name, original in reversed(self.patched):
+            setattr(owner, name, original)
+
+
+def profile_steps(ys: torch.Tensor, n: int, repeats: int) -> dict:
+    """Microseconds per step in each stage of ``SMC``, by timers wrapped around the engine's stages."""
+    timers = StageTimers()
+    totals, timed = timers.totals, timers.timed
     model = SV()
     timed(model, "step", "user step under Pyro's handlers")
     # The phases as the engine and step modules call them (module globals, so patched there).
@@ -187,8 +200,7 @@ def profile_steps(ys: torch.Tensor, n: int, repeats: int) -> dict:
             smc.run(ys)
         wall = time.perf_counter() - start
     finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
+        timers.restore()
     steps = repeats * (len(ys) + 1)
     us = {label: 1e6 * value / steps for label, value in totals.items()}
     us["normalisation and the rest of the step"] = us["whole step"] - sum(v for k, v in us.items() if k != "whole step")
@@ -200,23 +212,8 @@ def profile_compiled(ys: torch.Tensor, n: int, repeats: int) -> dict:
     """Microseconds per step of a compiled run with a kept recording (as in an SVI loop): the
     recording's call (the replay), the resampling of replayed steps, the engine's Python around
     them, and the run's fixed cost (``init`` and the verifying step on the handlers)."""
-    totals = collections.Counter()
-    patched = []
-
-    def timed(owner, name, label):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                totals[label] += time.perf_counter() - start
-
-        setattr(owner, name, wrapper)
-        patched.append((owner, name, original))
-
+    timers = StageTimers()
+    totals, timed = timers.totals, timers.timed
     timed(compiled_module, "execute", "replay (the recording's call)")
     timed(advance_module, "_resample_replayed", "resampling (replayed steps)")
     timed(step_module.StepProgram, "propose", "the program on the handlers (init, the verifying step)")
@@ -230,8 +227,7 @@ def profile_compiled(ys: torch.Tensor, n: int, repeats: int) -> dict:
             SMC(model, num_particles=n).run(ys)
         wall = time.perf_counter() - start
     finally:
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
+        timers.restore()
     steps = repeats * len(ys)
     us = {label: 1e6 * value / steps for label, value in totals.items()}
     us["engine Python around them"] = us["whole step"] - sum(v for k, v in us.items() if k != "whole step")
