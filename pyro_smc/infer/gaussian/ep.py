@@ -226,7 +226,8 @@ class EPSmoother:
     def _schedule(self, on_iteration=None) -> SequentialSchedule | ParallelSchedule:
         """The schedule object of this run: built per call, so that a changed attribute (a fit's
         copy with ``gradient="unroll"``, another ``max_iter``) takes effect. With one sweep
-        there is nothing to schedule in parallel."""
+        there is nothing to schedule in parallel: the sequential schedule computes that sweep as
+        one smoother pass (``SequentialSchedule.smoother_sweep``), with the sweep's state."""
         settings = EPSettings(self.max_iter, self.damping, self.power, self.tol, on_iteration)
         kind = SCHEDULES[self.schedule] if self.max_iter > 1 else SequentialSchedule
         return kind(Factors(self.ssm, self.strategy), settings)

@@ -3,7 +3,7 @@ r"""The parallel EP schedule: every factor refitted at once, then the messages o
 See ``docs/math/ep.md#the-parallel-schedule``.
 
 With ``power=1`` an EP message update is, given the factor's implicit linear model
-``a = J x + c + eps`` fitted at its cavity, the exact belief-propagation message of that linear
+:math:`a = J x + c + \epsilon` fitted at its cavity, the exact belief-propagation message of that linear
 factor. A fixed point of EP is therefore a set of cavities at which
 
 1. each factor's linear model is the one its projection fits at its cavity, and
@@ -19,8 +19,9 @@ evidence and implicit gradient, at a small fraction of the cost per iteration.
 
 The cavities are what the filter and smoother hand back: the cavity of the transition out of
 ``t`` (everything at ``t`` but that transition's backward message) is the filtering distribution
-``p(x_t | y_{0:t})`` of the fitted chain, and the cavity of the measurement at ``t`` is the
-smoothed marginal divided by the measurement's message ``N^{-1}(J^T E^{-1} (y - c), J^T E^{-1} J)``.
+:math:`p(x_t \mid y_{0:t})` of the fitted chain, and the cavity of the measurement at ``t`` is the
+smoothed marginal divided by the measurement's message
+:math:`\mathcal N^{-1}(J^\top E^{-1} (y - c), J^\top E^{-1} J)` in natural form, :math:`E = \operatorname{Cov}[\epsilon]`.
 The iteration's state is these cavities in natural form, damped as EP damps its messages.
 """
 

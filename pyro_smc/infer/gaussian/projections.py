@@ -1,16 +1,16 @@
-r"""Gaussian projections: the moments of ``a = f(x, t) + noise`` for ``x ~ N(m, P)``.
+r"""Gaussian projections: the moments of :math:`a = f(x, t) + \mathrm{noise}` for :math:`x \sim \mathcal N(m, P)`.
 
 See ``docs/math/ep.md#gaussian-projections``.
 
 Every Gaussian filter, smoother and EP update in pyro_smc reduces a nonlinear map to three
-moments, the mean ``mu_a``, covariance ``S_a`` and input-output covariance ``C = Cov[x, a]``
-of ``a`` under a Gaussian ``x``, and then treats the map as the implicit linear model
-``a = J x + c + eps`` with ``J = C^T P^{-1}``, ``c = mu_a - J m`` and
-``Cov[eps] = S_a - J P J^T``. A projection is a strategy object, a :class:`Projection`, that
+moments, the mean :math:`\mu_a`, covariance :math:`S_a` and input-output covariance :math:`C = \operatorname{Cov}[x, a]`
+of :math:`a` under a Gaussian :math:`x`, and then treats the map as the implicit linear model
+:math:`a = J x + c + \epsilon` with :math:`J = C^\top P^{-1}`, :math:`c = \mu_a - J m` and
+:math:`\operatorname{Cov}[\epsilon] = S_a - J P J^\top`. A projection is a strategy object, a :class:`Projection`, that
 says how to get the moments:
 
-* :class:`Linearization` (EKF/EKS; GP-EKS for GPs): ``J = df/dx`` at ``m`` by autograd (the GP
-  posterior-mean Jacobian), ``mu_a = f(m)``, ``S_a = J P J^T (+ GP variance at m)``.
+* :class:`Linearization` (EKF/EKS; GP-EKS for GPs): :math:`J = \partial f / \partial x` at :math:`m` by autograd (the GP
+  posterior-mean Jacobian), :math:`\mu_a = f(m)`, :math:`S_a = J P J^\top` (plus the GP variance at :math:`m`).
 * :class:`Unscented` (UKF/URTSS): sigma points through ``f``; for a GP the mean predictive
   variance over the sigma points is added. Settings per factor:
   ``Unscented(kappa=3.0, observation=dict(kappa=2.0))``.
@@ -74,7 +74,7 @@ class Projection:
     """
 
     def map_moments(self, fn, mean: Tensor, cov: Tensor, t: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Moments of ``fn(x, t)`` (no noise) for ``x ~ N(mean, cov)``.
+        r"""Moments of ``fn(x, t)`` (no noise) for :math:`x \sim \mathcal N(\mathtt{mean}, \mathtt{cov})`.
 
         Args:
             fn: a callable ``fn(x, t)`` batched over the leading dims of ``x``, or a GP posterior.
@@ -88,7 +88,7 @@ class Projection:
         raise NotImplementedError
 
     def moments(self, fn, mean: Tensor, cov: Tensor, t: int, noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Moments of ``fn(x, t) + noise`` with ``noise ~ N(0, noise_cov)`` (``None``: no noise).
+        r"""Moments of ``fn(x, t) + noise`` with :math:`\mathrm{noise} \sim \mathcal N(0, \mathtt{noise\_cov})` (``None``: no noise).
 
         Returns:
             ``(mu_a (e,), S_a (e, e) symmetrised, C (d, e))``.
@@ -133,10 +133,10 @@ class Projection:
 
 
 class Linearization(Projection):
-    """First-order Taylor expansion at the mean (EKF/EKS; GP-EKF/GP-EKS for a GP).
+    r"""First-order Taylor expansion at the mean (EKF/EKS; GP-EKF/GP-EKS for a GP).
 
-    ``map_moments`` returns ``mu = f(m)`` ``(e,)``, ``S = J P J^T`` ``(e, e)`` (plus the GP
-    variance at ``m``) and ``C = P J^T`` ``(d, e)``, with ``J = df/dx`` at ``m`` by autograd.
+    ``map_moments`` returns :math:`\mu = f(m)` ``(e,)``, :math:`S = J P J^\top` ``(e, e)`` (plus the GP
+    variance at :math:`m`) and :math:`C = P J^\top` ``(d, e)``, with :math:`J = \partial f / \partial x` at :math:`m` by autograd.
 
     Example:
         For ``f(x) = x^2`` at ``m = 1`` the Jacobian is 2, so ``S = 4 P``:
@@ -171,20 +171,58 @@ def _value_and_jacobian(fn, mean: Tensor, t: int) -> tuple[Tensor, Tensor]:
     # f(m) (..., e) and J = df/dx at m (..., e, d) from one batched call and one backward pass:
     # f is evaluated at e copies m + z_i of the mean (fn is batched over leading dims), and the
     # gradient of sum_i f_i(m + z_i) in z_i is row i of J. Cheaper than
-    # torch.autograd.functional.jacobian, which vmaps e backward passes. When f(m) is
-    # differentiable (in the mean or the model's parameters) the graph is kept (create_graph), so
-    # J is too; otherwise the copies start from the detached mean, so that the backward pass
-    # walks this call's graph only, not every earlier step's.
+    # torch.autograd.functional.jacobian, which vmaps e backward passes. J is always taken at
+    # the detached mean, so that the backward pass walks this call's graph only, not every
+    # earlier step's (which made a long run quadratic in T). When f(m) is differentiable the
+    # graph of that pass is kept (create_graph: dJ/dtheta flows), and dJ/dm is put back by
+    # _JacobianInMean.
     mu = fn(mean, t)
     create_graph = torch.is_grad_enabled() and mu.requires_grad
+    J = _jacobian_at(fn, mean.detach(), t, mu.shape[-1], create_graph)
+    if create_graph and mean.requires_grad:
+        J = J + _JacobianInMean.apply(mean, fn, t, mu.shape[-1])
+    return mu, J
+
+
+def _jacobian_at(fn, at: Tensor, t: int, e: int, create_graph: bool) -> Tensor:
+    # J (..., e, d) at ``at`` by the copies m + z_i (see _value_and_jacobian).
     with torch.enable_grad():
-        z = mean.new_zeros(mean.shape[:-1] + (mu.shape[-1], mean.shape[-1]), requires_grad=True)
-        copies = fn((mean if create_graph else mean.detach()).unsqueeze(-2) + z, t)  # (..., e, e): row i at copy i
+        z = at.new_zeros(at.shape[:-1] + (e, at.shape[-1]), requires_grad=True)
+        copies = fn(at.unsqueeze(-2) + z, t)  # (..., e, e): row i at copy i
         total = copies.diagonal(dim1=-2, dim2=-1).sum()
         # An explicit seed: autograd's default one tests the output's size as a tensor, which a
         # recorded step (recorded.py) would see as a data-dependent branch.
         (J,) = torch.autograd.grad(total, z, grad_outputs=torch.ones_like(total), create_graph=create_graph)
-    return mu, J
+    return J
+
+
+class _JacobianInMean(torch.autograd.Function):
+    # Zero in value; its backward is the vector-Jacobian product of m -> J(m) at the step's
+    # mean, from J recomputed at a fresh leaf: the dependence of the Jacobian on the mean, without
+    # a graph that reaches back through the earlier steps. First derivatives only: the graph of
+    # dJ/dtheta is taken at the detached mean, so a second derivative would miss the mixed term
+    # d2J/dtheta dm: a backward pass that builds a graph (create_graph) raises rather than be wrong.
+
+    @staticmethod
+    def forward(ctx, mean: Tensor, fn, t: int, e: int) -> Tensor:
+        ctx.save_for_backward(mean)
+        ctx.fn, ctx.t, ctx.e = fn, t, e
+        return mean.new_zeros(mean.shape[:-1] + (e, mean.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "linearisation (Linearization, extended_rts_smoother, EP with projection='linearization') is differentiable once: "
+                "a backward pass with create_graph=True through it is not supported; use finite differences of the gradient, "
+                "or the unscented projection, for second derivatives"
+            )
+        (mean,) = ctx.saved_tensors
+        with torch.enable_grad():
+            at = mean.detach().requires_grad_()
+            J = _jacobian_at(ctx.fn, at, ctx.t, ctx.e, True)
+            (g,) = torch.autograd.grad(J, at, grad, allow_unused=True)
+        return (torch.zeros_like(mean) if g is None else g), None, None, None
 
 
 class Unscented(Projection):
@@ -241,7 +279,7 @@ class Unscented(Projection):
         return unscented_moments(lambda points: torch.stack([fn(p, t) for p, t in zip(points, ts)]), mean, cov, **self.settings)
 
     def moments(self, fn, mean: Tensor, cov: Tensor, t: int, noise_cov: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Moments of ``fn(x, t) + noise`` at ``x ~ N(mean, cov)``, ``noise ~ N(0, noise_cov)`` (see :meth:`Projection.moments`)."""
+        r"""Moments of ``fn(x, t) + noise`` at :math:`x \sim \mathcal N(\mathtt{mean}, \mathtt{cov})`, :math:`\mathrm{noise} \sim \mathcal N(0, \mathtt{noise\_cov})` (see :meth:`Projection.moments`)."""
         # map_moments' S is already symmetric (and so is S + noise_cov): _with_noise's second
         # symmetrisation would return the same bits, so it is skipped on this per-step path; for a
         # callable the transform adds the noise itself, fused with its symmetrisation.
@@ -354,7 +392,7 @@ def project(
     noise_cov: Tensor | None = None,
     takes_time: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Moments of ``fn(x) + noise`` for ``x ~ N(mean, cov)``: the functional form of
+    r"""Moments of ``fn(x) + noise`` for :math:`x \sim \mathcal N(\mathtt{mean}, \mathtt{cov})`: the functional form of
     :meth:`Projection.moments`, kept for existing callers.
 
     Args:

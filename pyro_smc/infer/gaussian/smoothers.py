@@ -11,10 +11,10 @@ GP-RTSS of Deisenroth et al. The model is any
 ``LinearGaussianSSM``, ...); on a linear one they are the Kalman filter and RTS smoother. Each
 step reads like its equations:
 
-* predict: ``(M, S, C) = proj[f](m_t, P_t) + Q``;
-* update: ``K = C_y S_y^{-1}``, ``m <- m + K (y - mu_y)``, ``P <- P - K S_y K^T``;
-* smooth: ``G = C S^{-1}``, ``m^s_t = m_t + G (m^s_{t+1} - M)``,
-  ``P^s_t = P_t + G (P^s_{t+1} - S) G^T``.
+* predict: :math:`(M, S, C) = \operatorname{proj}[f](m_t, P_t) + Q`;
+* update: :math:`K = C_y S_y^{-1}`, :math:`m \leftarrow m + K (y - \mu_y)`, :math:`P \leftarrow P - K S_y K^\top`;
+* smooth: :math:`G = C S^{-1}`, :math:`m^s_t = m_t + G (m^s_{t+1} - M)`,
+  :math:`P^s_t = P_t + G (P^s_{t+1} - S) G^\top`.
 
 These are written in moment form independently of :class:`pyro_smc.EPSmoother` (natural-form
 messages), whose first sweep must reproduce them: that agreement is a test. All of them
@@ -104,7 +104,7 @@ def _increments(like: Tensor, steps: int, full: tuple, partial: list) -> Tensor:
 
 
 class FilterPass(NamedTuple):
-    """The Gaussian filter's pass, kept for the smoother and for EP's cavities.
+    r"""The Gaussian filter's pass, kept for the smoother and for EP's cavities.
 
     Attributes:
         means: ``(T, d)`` the filtering means.
@@ -113,7 +113,7 @@ class FilterPass(NamedTuple):
             ``(T - 1, d)`` the predicted mean, ``S`` ``(T - 1, d, d)`` its covariance, ``C``
             ``(T - 1, d, d)`` the cross-covariance of ``x_t`` and ``x_{t+1}``; ``()`` when ``T = 1``.
         log_evidence: ``()`` the sum of ``increments``.
-        increments: ``(T,)`` each step's ``log p(y_t | y_{<t})`` under the projection.
+        increments: ``(T,)`` each step's :math:`\log p(y_t \mid y_{<t})` under the projection.
 
     Example:
         See :func:`smoother_pass`.
@@ -220,7 +220,7 @@ def _general_forward(ssm: GaussianStateSpaceModel, ys: Tensor, observed: Tensor,
 
 
 def gaussian_filter(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> GaussianSmootherResult:
-    """Assumed-density Gaussian filter ``q(x_t | y_{0:t})``; the one filter behind
+    r"""Assumed-density Gaussian filter :math:`q(x_t \mid y_{0:t})`; the one filter behind
     :func:`extended_kalman_filter`, :func:`unscented_kalman_filter` and :func:`gp_adf`.
 
     Args:
@@ -263,7 +263,7 @@ def gaussian_filter(ssm: GaussianStateSpaceModel, observations: Tensor, projecti
 
 
 def gaussian_smoother(ssm: GaussianStateSpaceModel, observations: Tensor, projection: Projection | str = "unscented") -> GaussianSmootherResult:
-    """Assumed-density Gaussian RTS smoother ``q(x_t | y_{0:T-1})``; the one smoother behind
+    r"""Assumed-density Gaussian RTS smoother :math:`q(x_t \mid y_{0:T-1})`; the one smoother behind
     :func:`extended_rts_smoother`, :func:`unscented_rts_smoother` and :func:`gp_rtss`.
 
     Args and errors are those of :func:`gaussian_filter`, whose pass it smooths backwards.
