@@ -93,6 +93,29 @@ def test_code_blocks_and_tutorial_cells_fit_the_page():
     assert not wide, "\n".join(wide)
 
 
+def test_tutorial_printed_outputs_fit_the_page():
+    """No line a committed tutorial prints (a stdout stream, or the text/plain form of a cell's
+    result) is wider than CODE_WIDTH: the site shows them in the same column as the code, and
+    a wider table scrolls sideways. Before: 138 such lines in 01, 02, 03, 04 and 06, up to 256
+    columns. stderr is left out: the site wraps warnings (CSS), and the tutorials show a few
+    on purpose."""
+    import json
+
+    wide = []
+    for notebook in sorted((ROOT / "tutorials").glob("*.ipynb")):
+        for k, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+            for output in cell.get("outputs", []):
+                if output["output_type"] == "stream" and output["name"] == "stdout":
+                    text = "".join(output["text"])
+                elif output["output_type"] == "execute_result":
+                    text = "".join(output["data"].get("text/plain", ""))
+                else:
+                    continue
+                lines = text.splitlines()
+                wide += [f"{notebook.name} cell {k}: {len(line)}: {line}" for line in lines if len(line) > CODE_WIDTH]
+    assert not wide, "\n".join(wide)
+
+
 def test_docstring_examples_fit_the_page():
     """No ``>>>`` or ``...`` line of a docstring example in the package is wider than CODE_WIDTH
     as the API pages show it (prompt included, docstring indentation not). Before: 176 lines, up
