@@ -87,8 +87,9 @@ class MatrixNormal(TorchDistribution):
 
     .. math::
 
-        \log p(W) = -\frac{1}{2} \| L_{\mathrm{row}}^{-1} (W - M) L_{\mathrm{col}}^{-\top} \|_F^2 - p \sum \log \operatorname{diag} L_{\mathrm{row}}
-                    - n \sum \log \operatorname{diag} L_{\mathrm{col}} - (n p / 2) \log 2 \pi.
+        \log p(W) = {} & -\frac{1}{2} \| L_{\mathrm{row}}^{-1} (W - M) L_{\mathrm{col}}^{-\top} \|_F^2 \\
+                    & - p \sum \log \operatorname{diag} L_{\mathrm{row}} - n \sum \log \operatorname{diag} L_{\mathrm{col}}
+                    - (n p / 2) \log 2 \pi.
 
     Args:
         loc: mean ``M``, shape ``(..., n, p)`` with ``n, p >= 1``, finite, float32 or float64.

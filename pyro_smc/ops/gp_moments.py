@@ -12,8 +12,9 @@ For :math:`x \sim \mathcal N(\mu, S)` and :math:`h_a = f_a(x)`, :func:`se_ard_mo
 
 .. math::
 
-    M_a = \beta_a^T q_a, \qquad q_{ai} = \alpha_a^2 |S\Lambda_a^{-1} + I|^{-1/2}
-        \exp(-\tfrac12 \nu_i^T (S + \Lambda_a)^{-1} \nu_i),
+    M_a = \beta_a^T q_a,
+
+    q_{ai} = \alpha_a^2 |S\Lambda_a^{-1} + I|^{-1/2} \exp(-\tfrac12 \nu_i^T (S + \Lambda_a)^{-1} \nu_i),
 
     \mathrm{Cov}[x, h_a] = S (S + \Lambda_a)^{-1} \textstyle\sum_i \beta_{ai} q_{ai} \nu_i,
 
@@ -21,7 +22,8 @@ For :math:`x \sim \mathcal N(\mu, S)` and :math:`h_a = f_a(x)`, :func:`se_ard_mo
         + \delta_{ab} (\alpha_a^2 - \mathrm{tr}((K_a + \sigma_a^2 I)^{-1} Q^{aa})),
 
     Q^{ab}_{ij} = k_a(x_i, \mu) k_b(x_j, \mu) |R|^{-1/2} \exp(\tfrac12 z_{ij}^T R^{-1} S z_{ij}),
-    \quad R = S(\Lambda_a^{-1} + \Lambda_b^{-1}) + I, \quad z_{ij} = \Lambda_a^{-1}\nu_i + \Lambda_b^{-1}\nu_j.
+
+    R = S(\Lambda_a^{-1} + \Lambda_b^{-1}) + I, \qquad z_{ij} = \Lambda_a^{-1}\nu_i + \Lambda_b^{-1}\nu_j.
 
 With :math:`W = \Lambda_a^{-1} + \Lambda_b^{-1}` and :math:`B = W^{1/2} S W^{1/2}`, :math:`R^{-1} S = W^{-1/2} (I - (I + B)^{-1}) W^{-1/2}`
 and :math:`|R| = |I + B|`: one Cholesky of a matrix with eigenvalues >= 1, no inverse of ``S``. The exponent
