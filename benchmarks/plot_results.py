@@ -126,6 +126,7 @@ def fig_smc_speed(results: Path) -> Figure:
         ("SMC, one filter", [r["ratio"] for r in single]),
         ("SMC, validation off", [r["ratio_noval"] for r in single]),
         ("SMC, compiled step", [r["ratio_compiled"] for r in single]),
+        ("SMC, compiled, recording kept (SVI)", [r["ratio_kept"] for r in single]),
         ("hand-written torch loop", [r["floor_ms"] / r["particles_ms"] for r in single]),
     ]
     for k, (label, ratios) in enumerate(lines):
@@ -133,10 +134,10 @@ def fig_smc_speed(results: Path) -> Figure:
         bx.plot(ns, ratios, style, marker="o", ms=4, color=COLORS[k], label=label)
     for k, row in enumerate(r for r in chopin["batched"] if r["T"] == horizon):
         bx.plot(row["N"], row["ratio_per_filter"], marker="sv"[k % 2], ls="none", ms=6,
-                color=COLORS[4 + k])
+                color=COLORS[5 + k])
         bx.annotate(f"{row['B']} filters in one run", (row["N"], row["ratio_per_filter"]),
                     xytext=(7, 0), textcoords="offset points", ha="left", va="center",
-                    fontsize=7, color=COLORS[4 + k])
+                    fontsize=7, color=COLORS[5 + k])
     bx.axhline(1.0, color="0.2", lw=0.8, ls="--", label="particles (parity)")
     bx.set_xscale("log")
     bx.set_yscale("log")
