@@ -33,16 +33,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks` imports as a package
-from benchmarks._common import add_common_args, f2, print_table, progress, setup, write_results, yn
+from benchmarks._common import add_common_args, f2, print_table, progress, setup, timeit_interleaved, write_results, yn
 from pyro_smc.ops.ensemble import ensemble_solve
 from pyro_smc.ops.sinkhorn import SinkhornSettings, implicit_adjoint, sinkhorn_solve, transport_plan
 
@@ -142,17 +140,8 @@ def measure(b: int, n: int, dtype: torch.dtype, repeats: int) -> dict:
         with PassCounter(b * n * n) as counter:
             fn()
         passes[name] = counter.passes // (MATVECS_PER_SAMPLE if name.startswith("matvec") else 1)
-    times = {name: [] for name in fns}
-    for name, fn in fns.items():  # warm-up
-        if name == "transport_backward":
-            fns["transport_forward"]()
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    t = {name: statistics.median(ts) for name, ts in times.items()}
+    # Interleaved rounds in the order of ``fns``: each transport backward follows its forward.
+    t = {name: r["median_s"] for name, r in timeit_interleaved(fns, repeats).items()}
     t["matvec"] = min(t["matvec"], t.pop("matvec_t")) / MATVECS_PER_SAMPLE
     rec = {"B": b, "N": n, "iterations": iterations, "matvec_us": 1e6 * t["matvec"], "stages": {}}
     for name in ("solve", "adjoint", "transport_forward", "transport_backward"):

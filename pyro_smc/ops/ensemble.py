@@ -99,7 +99,9 @@ def _workspace(shape: torch.Size, like: Tensor) -> Tensor | None:
     back to the system: every call faulted them in again, which on this project's benchmark
     machine cost as much as several passes over the tensor (2 ms for the 2.6 MB cost of 32 x 100
     x 100 float64, against 0.6 ms for an exp over it). The cost is dead once the solve
-    returns, so one buffer serves every call; CUDA's caching allocator needs none.
+    returns, so one buffer serves every call; CUDA's caching allocator needs none. Created
+    outside inference mode (as the cached weights of :mod:`pyro_smc.ops.unscented`): an inference
+    tensor could not be written by a later call outside it.
     """
     numel = math.prod(shape)
     if like.device.type != "cpu" or numel * like.element_size() > _WORKSPACE_MAX_BYTES:
@@ -107,7 +109,8 @@ def _workspace(shape: torch.Size, like: Tensor) -> Tensor | None:
     buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
     buffer = buffers.get(like.dtype)
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[like.dtype] = like.new_empty(numel)
+        with torch.inference_mode(False):
+            buffer = buffers[like.dtype] = like.new_empty(numel)
     return buffer[:numel].view(shape)
 
 
@@ -139,9 +142,9 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         with torch.no_grad():
             cost, scale2 = _normalised_cost(x, workspace=True)
             log_a = torch.full_like(log_b, -math.log(n))
-            result, (kernel, u, v) = solve_with_plan(cost, log_a, log_b, settings, stacklevel=4)
-            batch = x.shape[:-2]
-            kernel, u, v = kernel.reshape(batch + (n, n)), u.reshape(batch + (n,)), v.reshape(batch + (n,))
+            result, factored = solve_with_plan(cost, log_a, log_b, settings, stacklevel=4)
+            factored = factored.unflatten(x.shape[:-2])
+            kernel, u, v = factored
             # The solver's plan diag(a u) K diag(b v), reused: no exp over (B, N, N). P x and the
             # row sums of P come out of one product with [b v x, b v] (a u cancels in x_new).
             sqrt_a = math.exp(-0.5 * math.log(n))
@@ -150,9 +153,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             moved = thin_matmul(kernel, torch.cat([bv.unsqueeze(-1) * x, bv.unsqueeze(-1)], -1))
             x_new = moved[..., :-1] / moved[..., -1:]
             rows = (u / n).unsqueeze(-1) * moved[..., -1:]  # row sums of P
-            # K / sqrt(a b^T) scaled by sqrt(a) u and sqrt(b) v is P / sqrt(a_i b_j): the
-            # symmetric form the adjoint needs, built in place.
-            kernel.mul_((sqrt_a * u).unsqueeze(-1)).mul_((sqrt_b * v).unsqueeze(-2))
+            # P / sqrt(a_i b_j): the symmetric form the adjoint needs, built in place.
+            kernel = factored.symmetric_(sqrt_a, sqrt_b)
             # An (N, N) product the caller may not need (OTResampler reads it only for
             # particles it cannot average); an empty tensor stands in for it then.
             plan = kernel * (sqrt_a * sqrt_b).unsqueeze(-2) if want_plan else x.new_empty(0)

@@ -59,6 +59,17 @@ class PlanKernel(NamedTuple):
     u: Tensor
     v: Tensor
 
+    def unflatten(self, batch: torch.Size) -> PlanKernel:
+        """The factors with the batch shape ``batch`` in place of ``B`` (views)."""
+        return PlanKernel(
+            self.kernel.reshape(batch + self.kernel.shape[1:]), self.u.reshape(batch + self.u.shape[1:]), self.v.reshape(batch + self.v.shape[1:])
+        )
+
+    def symmetric_(self, sqrt_a: Tensor | float, sqrt_b: Tensor) -> Tensor:
+        r"""The adjoint's symmetric kernel :math:`P_{ij} / \sqrt{a_i b_j} = \sqrt{a_i} u_i K_{ij} \sqrt{b_j} v_j`,
+        written over ``kernel`` (and returned): no exp over ``(B, N, M)``."""
+        return self.kernel.mul_((sqrt_a * self.u).unsqueeze(-1)).mul_((sqrt_b * self.v).unsqueeze(-2))
+
 
 @dataclass
 class Finished:

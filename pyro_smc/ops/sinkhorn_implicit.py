@@ -193,8 +193,7 @@ class _ImplicitSinkhorn(torch.autograd.Function):
                 # solver's factored plan diag(a u) K diag(b v), in place: no exp over (B, N, M)
                 # here or in the backward pass.
                 half_a, half_b = log_a.expand(f.shape) / 2, log_b.expand(g.shape) / 2
-                kernel = plan.kernel.reshape(cost.shape)
-                kernel.mul_((half_a.exp() * plan.u.reshape(f.shape)).unsqueeze(-1)).mul_((half_b.exp() * plan.v.reshape(g.shape)).unsqueeze(-2))
+                kernel = plan.unflatten(cost.shape[:-2]).symmetric_(half_a.exp(), half_b.exp())
                 ctx.save_for_backward(kernel, half_a, half_b)
         ctx.weight_shapes = (log_a.shape, log_b.shape)
         ctx.epsilon = settings.epsilon

@@ -226,3 +226,27 @@ def test_the_cost_workspace_is_not_shared_with_the_results(dtype):
     fresh.x_new.square().sum().backward()
     assert torch.equal(first.x_new, kept[0]) and torch.equal(first.plan, kept[1]) and torch.equal(first.solve.f, kept[2])
     assert torch.equal(first.x_new, fresh.x_new) and torch.equal(xr.grad, again.grad)
+
+
+def test_a_workspace_made_under_inference_mode_serves_later_calls_with_autograd():
+    """The cost buffer is made outside inference mode even when the first call on a thread runs
+    inside it: a later call with autograd writes into the same buffer and differentiates."""
+    import threading
+
+    out = {}
+
+    def run():  # a fresh thread: its own, still empty, workspace
+        x, w = _cloud(3, 20, seed=3, spread=2.0)
+        settings = SinkhornSettings(0.3, threshold=1e-6)
+        with torch.inference_mode():
+            out["inference"] = ensemble_solve(x, w, settings).x_new.clone()
+        xr = x.clone().requires_grad_()
+        result = ensemble_solve(xr, w, settings)
+        result.x_new.square().sum().backward()
+        out["normal"], out["grad"] = result.x_new.detach(), xr.grad
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert torch.equal(out["inference"], out["normal"])
+    assert out["grad"] is not None and torch.isfinite(out["grad"]).all()
