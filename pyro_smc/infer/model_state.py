@@ -26,9 +26,13 @@ def restore_attributes(obj: Any, attributes: dict[str, Any] | None) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """``{"rng_state": ..., "cuda_rng_state": ...}``; the CUDA entry is ``None`` unless CUDA is in use."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return {"rng_state": torch.get_rng_state(), "cuda_rng_state": cuda}
+    """``{"rng_state": ..., "cuda_rng_state": ...}``; the CUDA entry is ``None`` unless CUDA is in use.
+
+    One copy of the CPU generator's state: a compiled SMC step snapshots it at every replay, and
+    ``torch.cuda.is_initialized()`` alone (False where CUDA is absent) is cheaper than asking
+    whether CUDA is available."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return {"rng_state": torch.default_generator.get_state(), "cuda_rng_state": cuda}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -220,7 +220,7 @@ SCHEMES = {"systematic": 0, "stratified": 1, "multinomial": 2}
 
 
 def resample_where(
-    need: Tensor, every: bool, log_weights: Tensor, particles: List[Tensor], scheme: int, stop_gradient: bool, search_below: int = 400
+    need: Tensor, every: bool, log_weights: Tensor, particles: List[Tensor], scheme: int, stop_gradient: bool, search_below: int = _SEARCH_BELOW
 ) -> Tuple[List[Tensor], Tensor]:
     """Index resampling of the filters ``need`` in tensor operations alone: a replayed step of
     ``SMC`` resamples by it without the Python of a resampler call and its checks

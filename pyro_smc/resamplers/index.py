@@ -234,8 +234,4 @@ class SystematicResampler(IndexResampler):
     scheme = staticmethod(schemes.systematic)
 
 
-_SCHEME_CODES = {
-    schemes.systematic: schemes.SCHEMES["systematic"],
-    schemes.stratified: schemes.SCHEMES["stratified"],
-    schemes.multinomial: schemes.SCHEMES["multinomial"],
-}
+_SCHEME_CODES = {getattr(schemes, name): code for name, code in schemes.SCHEMES.items()}

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from pyro_smc.ops.gaussian import tril_from_vector, tril_to_vector
+from pyro_smc.ops.weights import all_finite
 
 __all__ = ["BACKWARDS", "COVARIANCES", "GaussianKernel", "StreamingFamily", "gaussian", "marginal_covariance"]
 
@@ -277,7 +278,7 @@ class StreamingFamily(pyro.nn.PyroModule):
             'scale_raw'
         """
         named = list(self.named_parameters())
-        if not bool(torch.isfinite(torch.cat([p.detach().reshape(-1) for _, p in named])).all()):  # one check when all are
+        if not all_finite(torch.cat([p.detach().reshape(-1) for _, p in named])):  # one check when all are
             return next(name for name, p in named if not bool(torch.isfinite(p).all()))
         for name in ("scale_raw", "bwd_scale_raw"):
             scale = self._scale(getattr(self, name))

@@ -47,10 +47,11 @@ import torch
 from pyro.distributions import MultivariateNormal, TorchDistribution
 from torch import Tensor
 
-from pyro_smc.infer.online.context import Discovery, StepContext
 from pyro_smc.guides.streaming.family import StreamingFamily
+from pyro_smc.infer.online.context import Discovery, StepContext
 from pyro_smc.ops.gaussian import symmetrize
 from pyro_smc.ops.laplace import jittered, laplace_newton, posterior_scale_tril, regression_kernel
+from pyro_smc.ops.weights import all_finite
 
 __all__ = ["NEWTON_STEPS", "initialise"]
 
@@ -77,13 +78,13 @@ def initialise(guide: StreamingFamily, context: StepContext, prior: Discovery, l
     if joint is None:  # the first step, too few draws, or a prediction that is not finite
         m, cov = _prediction(prior, d)
         kernel = None if prior.x_prev is None else regression_kernel(prior.x_prior, prior.x_prev, return_scale_tril=True)
+        if not _finite(m, cov):  # (a joint prediction is finite: _joint_prediction checked it)
+            raise ValueError(
+                f"at step {context.t}: the model's one-step prediction of x_t (its mean and covariance from the draws of "
+                "q_{t-1}) is not finite: check the model's transition at this step"
+            )
     else:
         m, cov, kernel = joint
-    if not _finite(m, cov):
-        raise ValueError(
-            f"at step {context.t}: the model's one-step prediction of x_t (its mean and covariance from the draws of "
-            "q_{t-1}) is not finite: check the model's transition at this step"
-        )
     if laplace:
         # As a factor: a precise observation makes the posterior covariance too ill-conditioned
         # to pass as a matrix in float32 (it is not numerically positive definite).
@@ -172,8 +173,9 @@ def _joint_prediction(prior: Discovery, previous: TorchDistribution, d: int) -> 
 
 
 def _finite(*tensors: Tensor) -> bool:
-    """Whether every entry of ``tensors`` is finite (one check, one synchronisation)."""
-    return bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all())
+    """Whether every entry of ``tensors`` is finite (one check, one synchronisation:
+    :func:`~pyro_smc.ops.weights.all_finite`)."""
+    return all_finite(torch.cat([t.reshape(-1) for t in tensors]))
 
 
 def _laplace_update(context: StepContext, m: Tensor, cov: Tensor, x_prev: Tensor | None) -> tuple[Tensor, Tensor]:

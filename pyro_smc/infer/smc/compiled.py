@@ -58,7 +58,7 @@ from torch import Tensor
 
 from pyro_smc.infer.model_state import rng_state, set_rng_state
 from pyro_smc.infer.smc.importance import centred_increment, log_weight_terms, score_terms
-from pyro_smc.infer.smc.replay import cheap_rng_state, execute, simplified
+from pyro_smc.infer.smc.replay import execute, simplified
 from pyro_smc.infer.smc.state import SMCState
 from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram, moments
 from pyro_smc.infer.smc.static_checks import (
@@ -298,7 +298,7 @@ class CompiledStep:
         return Replayed(dict(new), terms, score_value, captured["proposal"])
 
     def _replay(self, recording: _Recording, state: SMCState, tensors: tuple) -> Replayed | None:
-        rng = cheap_rng_state()
+        rng = rng_state()
         replayed, total = self._call(recording, tensors)
         if not math.isfinite(total):
             # Rewound and rerun with Pyro's validation: the handler path names what went wrong.

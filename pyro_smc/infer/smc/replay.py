@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from pyro_smc.infer.model_state import set_rng_state
+from pyro_smc.infer.model_state import rng_state, set_rng_state
 
-__all__ = ["cheap_rng_state", "execute", "simplified"]
+__all__ = ["execute", "simplified"]
 
 logger = logging.getLogger("pyro_smc")
 
@@ -233,9 +233,9 @@ def _interpret(function: Callable, inputs: tuple) -> tuple:
 def _try_static(function: Callable, executors: dict, inputs: tuple) -> tuple:
     """The interpreter's outputs; and the static runtime's from the same random state, kept as
     the recording's executor if they are the same bit for bit."""
-    before = cheap_rng_state()
+    before = rng_state()
     out = _interpret(function, inputs)
-    after = cheap_rng_state()
+    after = rng_state()
     problem = None
     try:
         set_rng_state(before)
@@ -258,10 +258,3 @@ def _identical(a: Any, b: Any) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a, b) or (a.is_floating_point() and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
-
-
-def cheap_rng_state() -> dict[str, Any]:
-    """:func:`~pyro_smc.infer.model_state.rng_state` at the cost of one copy: CUDA's
-    generators only when CUDA was initialised (asking whether it is available costs more)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return {"rng_state": torch.default_generator.get_state(), "cuda_rng_state": cuda}
