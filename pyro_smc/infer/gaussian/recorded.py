@@ -231,11 +231,12 @@ class LeanFilter:
         return out.finish(ys.shape[0])
 
     def _eager_step(self, out: _Outputs, t: int, m: Tensor, P: Tensor, ys: Tensor, observed, status: int, Q: Tensor, R: Tensor) -> tuple[Tensor, Tensor]:
-        info = torch.zeros((), dtype=torch.int32, device=m.device)
         if t > 0:
             M, S, C, info = self.predict(m, P, Q, t)
             out.predictions.append((M, S, C))
             m, P = M, S
+        else:
+            info = torch.zeros((), dtype=torch.int32, device=m.device)
         if status != _MISSING:
             y, (mu, S_y, C_y, measured) = ys[t], _moments(self.kinds[1], self.g, m, P, t, R)
             if status != _OBSERVED:

@@ -98,10 +98,10 @@ class SequentialSchedule:
         pred_mean, pred_cov = ssm.init_mean.unsqueeze(0), ssm.init_cov.unsqueeze(0)
         if T > 1:
             pred_mean, pred_cov = torch.cat([pred_mean, filtered.predictions[0]]), torch.cat([pred_cov, filtered.predictions[1]])
-        covs = torch.cat([pred_cov, filtered.covariances, run.covariances])
-        if not bool(is_proper(covs).all()):
+        try:  # one batched factorisation: it tests the marginals' properness too
+            eta, lam = to_natural(torch.cat([pred_mean, filtered.means, run.means]), torch.cat([pred_cov, filtered.covariances, run.covariances]))
+        except NotPositiveDefiniteError:
             return None
-        eta, lam = to_natural(torch.cat([pred_mean, filtered.means, run.means]), covs)
         (eta_p, eta_f, eta_s), (lam_p, lam_f, lam_s) = eta.reshape(3, T, d), lam.reshape(3, T, d, d)
         prior = self._prior()
         measured = torch.tensor([s != ObservationStatus.MISSING for s in status], device=ys.device)

@@ -59,7 +59,7 @@ from torch import Tensor
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.gaussian.observed import ObservationStatus, observation_status, observed_moments
 from pyro_smc.infer.gaussian.projections import Projection, Unscented, as_projection
-from pyro_smc.infer.gaussian.recorded import ForwardRun, LeanFilter
+from pyro_smc.infer.gaussian.recorded import ForwardRun, LeanFilter, _update
 from pyro_smc.infer.gaussian.result import GaussianSmootherResult
 from pyro_smc.models.protocol import GaussianStateSpaceModel, require_gaussian_model
 from pyro_smc.observations import check_observations
@@ -199,11 +199,10 @@ def _general_forward(ssm: GaussianStateSpaceModel, ys: Tensor, observed: Tensor,
                 y, (mu, S_y, C_y) = ys[t], observation.moments(ssm.observation_fn, m, P, t, ssm.observation_cov)
                 if status[t] == ObservationStatus.PARTLY_OBSERVED:
                     y, mu, S_y, C_y = observed_moments(y, observed[t], mu, S_y, C_y)
-                chol = torch.linalg.cholesky(S_y)
-                gain_t = torch.cholesky_solve(C_y.transpose(-1, -2), chol)  # K^T = S_y^{-1} C_y^T
-                residual = y - mu
-                m = m + residual @ gain_t
-                P = symmetrize(P - C_y @ gain_t)
+                updated, updated_cov, residual, chol, info = _update(m, P, y, mu, S_y, C_y)
+                if bool(info):
+                    raise _failed(where, t, {"filtering mean": means + [m], "filtering covariance": covs + [P]}, "a Cholesky factorisation failed")
+                m, P = updated, updated_cov
                 (full if status[t] == ObservationStatus.OBSERVED else partial).append((t, residual, chol))
         except torch.linalg.LinAlgError as error:
             detail = f"{type(error).__name__}: {str(error).splitlines()[0]}"
