@@ -33,7 +33,31 @@ from torch import Tensor
 
 from pyro_smc.ops.gaussian import symmetrize
 
-__all__ = ["jittered", "laplace_newton", "posterior_scale_tril", "regression_kernel"]
+__all__ = ["gram_scale_tril", "jittered", "laplace_newton", "posterior_scale_tril", "regression_kernel"]
+
+
+def gram_scale_tril(a: Tensor) -> Tensor:
+    r"""The lower-triangular factor :math:`L` with a non-negative diagonal and
+    :math:`L L^\top = A^\top A`, from the QR factorisation of :math:`A` (never forming
+    :math:`A^\top A`, whose condition number is the square of :math:`A`'s).
+
+    QR leaves the signs of :math:`R`'s rows free; flipping the rows with a negative diagonal
+    gives the Cholesky factor's sign convention.
+
+    Args:
+        a: ``(n, d)`` with ``n >= d``.
+
+    Returns:
+        ``(d, d)`` lower triangular.
+
+    Example:
+        >>> a = torch.tensor([[3.0, 0.0], [4.0, 5.0]], dtype=torch.float64)
+        >>> L = gram_scale_tril(a)
+        >>> torch.allclose(L @ L.T, a.T @ a), bool((L.diagonal() > 0).all())
+        (True, True)
+    """
+    R = torch.linalg.qr(a, mode="r").R
+    return R.T * torch.where(R.diagonal() < 0, -1.0, 1.0).to(R)
 
 
 def jittered(cov: Tensor) -> Tensor:
@@ -85,8 +109,7 @@ def posterior_scale_tril(prior_tril: Tensor, curvature: Tensor) -> Tensor:
     eye = torch.eye(d, dtype=prior_tril.dtype, device=prior_tril.device)
     R = torch.linalg.qr(torch.cat([eye, B.T], dim=0), mode="r").R
     factor_t = torch.linalg.solve_triangular(R.T, prior_tril.T, upper=False)  # (L R^{-1})^T
-    R2 = torch.linalg.qr(factor_t, mode="r").R  # factor_t = Q2 R2, so L R^{-1} (.)^T = R2^T R2
-    return R2.T * torch.where(R2.diagonal() < 0, -1.0, 1.0).to(R2)
+    return gram_scale_tril(factor_t)  # L R^{-1} (L R^{-1})^T = factor_t^T factor_t
 
 
 @torch.enable_grad()
@@ -190,8 +213,7 @@ def regression_kernel(x: Tensor, x_prev: Tensor, *, return_scale_tril: bool = Fa
     weight = torch.linalg.solve(jittered(s_xx), s_px.T).T
     bias = x_prev.mean(0) - weight @ x.mean(0)
     residuals = (pc - xc @ weight.T) / n**0.5
-    R = torch.linalg.qr(residuals, mode="r").R  # R^T R = the residuals' Gram matrix
-    tril = R.T * torch.where(R.diagonal() < 0, -1.0, 1.0).to(R)
+    tril = gram_scale_tril(residuals)
     floor = 10 * torch.finfo(x_prev.dtype).eps * pc.abs().amax(0).clamp_min(torch.finfo(x_prev.dtype).tiny)
     tril = tril.tril(-1) + torch.diag_embed(torch.maximum(tril.diagonal(), floor))
     return weight, bias, tril if return_scale_tril else tril @ tril.T

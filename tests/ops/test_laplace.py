@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from pyro_smc.ops.laplace import jittered, laplace_newton, regression_kernel
+from pyro_smc.ops.laplace import gram_scale_tril, jittered, laplace_newton, regression_kernel
 
 
 def _spd(d, g):
@@ -75,3 +75,17 @@ def test_jittered_is_symmetric_and_positive_definite():
     out = jittered(c)
     assert torch.equal(out, out.T)
     assert bool((torch.linalg.eigvalsh(out) > 0).all())
+
+
+def test_gram_scale_tril_is_the_cholesky_factor_of_the_gram_matrix():
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        a = torch.randn(7, 4, generator=g).to(dtype)
+        L = gram_scale_tril(a)
+        torch.testing.assert_close(L, torch.linalg.cholesky(a.T @ a))
+    # rank-deficient: still lower triangular, diagonal >= 0, L L^T = A^T A
+    a = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    a[:, 2] = a[:, 0] - a[:, 1]
+    L = gram_scale_tril(a)
+    assert torch.equal(L, L.tril()) and bool((L.diagonal() >= 0).all())
+    torch.testing.assert_close(L @ L.T, a.T @ a)

@@ -50,7 +50,7 @@ from torch import Tensor
 from pyro_smc.guides.streaming.family import StreamingFamily
 from pyro_smc.infer.online.context import Discovery, StepContext
 from pyro_smc.ops.gaussian import symmetrize
-from pyro_smc.ops.laplace import jittered, laplace_newton, posterior_scale_tril, regression_kernel
+from pyro_smc.ops.laplace import gram_scale_tril, jittered, laplace_newton, posterior_scale_tril, regression_kernel
 from pyro_smc.ops.weights import all_finite
 
 __all__ = ["NEWTON_STEPS", "initialise"]
@@ -165,8 +165,7 @@ def _joint_prediction(prior: Discovery, previous: TorchDistribution, d: int) -> 
     weight_z = torch.linalg.solve_triangular(L_noise.T, Bw @ S @ S.T, upper=True).T
     weight = L_prev @ weight_z
     bias = m_prev - weight @ m
-    R = torch.linalg.qr((L_prev @ S).T, mode="r").R  # L_prev S (.)^T = R^T R
-    tril = R.T * torch.where(R.diagonal() < 0, -1.0, 1.0).to(R)
+    tril = gram_scale_tril((L_prev @ S).T)  # tril tril^T = L_prev S (L_prev S)^T
     if not _finite(weight, bias, tril):
         return None
     return m, cov, (weight, bias, tril)
