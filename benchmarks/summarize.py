@@ -40,11 +40,14 @@ COLUMNS = ["benchmark", "ours (latest)", "anchor", "comparison", "goal", "met", 
 GROUPS = {
     "smc": ("`SMC`: particle filters, gradient estimators, smoothing", [
         "bench_smcfilter.py", "bench_particles_speed.py", "bench_estimators.py", "bench_estimators_proposal.py", "bench_deep_ssm.py",
-        "bench_pf_smoother.py"]),
+        "bench_pf_smoother.py", "bench_apf_sqmc.py"]),
+    "pmcmc": ("Particle MCMC: PMMH and particle Gibbs", ["bench_pmmh_particles.py"]),
+    "smc2": ("`SMC2`: sequential parameter posterior (SMC^2)", ["bench_smc2.py"]),
     "resampling": ("Resampling: OT (Sinkhorn) against systematic", [
         "bench_ot_cost.py", "bench_sinkhorn.py", "bench_param_estimation.py", "bench_gradients.py", "bench_epsilon.py"]),
     "gaussian": ("Gaussian smoothers and EP", [
-        "bench_ep_growth.py", "bench_ep_pendulum.py", "bench_ep_gp.py", "bench_ep_speed.py", "bench_ep_learning.py"]),
+        "bench_ep_growth.py", "bench_ep_pendulum.py", "bench_ep_gp.py", "bench_ep_speed.py", "bench_ep_learning.py",
+        "bench_ep_lorenz96.py"]),
     "online": ("Online variational filter", ["bench_online_flat_cost.py", "bench_online_param_learning.py", "bench_online_chaotic_rnn.py"]),
     "kronecker": ("Kronecker-flow guides (BNNs)", ["bench_bnn_digits.py", "bench_bnn_regression.py", "bench_wheel_bandit.py"]),
     "gpu": ("GPU scale-out", ["bench_gpu.py"]),

@@ -22,7 +22,9 @@ import pytest
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO
 
-from pyro_smc import SMC, SMCELBO, EPSmoother, OnlineVariationalFilter
+from pyro.nn import PyroModule, PyroSample
+
+from pyro_smc import SMC, SMC2, SMCELBO, EPSmoother, OnlineVariationalFilter
 from pyro_smc.arviz import to_inference_data
 from pyro_smc.distributions import MatrixNormal
 from pyro_smc.gp import MultiOutputGP
@@ -288,3 +290,34 @@ def test_chaotic_rnn_under_smc(opts):
         surrogate = gaussian_smoothers.unscented_kalman_filter(rnn.as_nonlinear_gaussian(), ys)
     assert _on(ys, opts) and _on(smc.log_evidence, opts) and _on(surrogate.means, opts)
     assert torch.isfinite(smc.log_evidence).all() and torch.isfinite(surrogate.means).all()
+
+
+class _StaticAR1(PyroModule):
+    """x_t = rho x_{t-1} + N(0, 1), y_t ~ N(x_t, sigma^2); rho, sigma static, priors on the inputs' device/dtype."""
+
+    def __init__(self, opts):
+        super().__init__()
+        one = torch.ones((), **opts)
+        self.rho = PyroSample(dist.Uniform(-one, one))
+        self.sigma = PyroSample(dist.LogNormal(-0.5 * one, 0.5 * one))
+        self.zero, self.one = 0 * one, one
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(self.zero, self.one))
+
+    def step(self, state, y=None):
+        state["x"] = pyro.sample("x", dist.Normal(self.rho * state["x"], self.one))
+        pyro.sample("y", dist.Normal(state["x"], self.sigma), obs=y)
+
+
+def test_smc2(opts):
+    """SMC2's parameters, weights, evidence and records stay on the inputs' device and dtype."""
+    ys = torch.randn(8, **opts)
+    pyro.set_rng_seed(0)
+    with strict(opts):
+        smc2 = SMC2(_StaticAR1(opts), num_parameter_particles=16, num_particles=8, ess_threshold=0.9).run(ys)
+        out = smc2.result
+    assert out.rejuvenated.any()
+    assert _on(smc2.log_evidence, opts) and _on(smc2.log_weights, opts) and _on(smc2.parameters["sigma"], opts)
+    assert _on(out.log_evidence_increments, opts) and _on(out.acceptance_rates, opts)
+    assert bool(torch.isfinite(smc2.log_evidence))

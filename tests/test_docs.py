@@ -16,16 +16,28 @@ from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PUBLIC = {
-    "pyro_smc": ["SMC", "SMCELBO", "EPSmoother", "OnlineVariationalFilter"],
+    "pyro_smc": ["SMC", "SMCELBO", "EPSmoother", "OnlineVariationalFilter", "PMMH", "ParticleGibbs", "SMC2"],
+    "pyro_smc.infer.pmcmc": ["PMMH", "ParticleGibbs", "AdaptiveRandomWalk", "ConditionalSMC", "Trajectory", "trajectory_log_density"],
+    "pyro_smc.infer.smc2": ["SMC2", "SMC2Result"],
+    "pyro_smc.infer.static_parameters": ["StaticParameters"],
     "pyro_smc.resamplers": ["MultinomialResampler", "SystematicResampler", "StratifiedResampler", "SoftResampler", "OTResampler"],
-    "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM", "DiagonalLinearGaussianSSM", "ChaoticRNN", "NeuralSSM", "NeuralProposal"],
+    "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM", "DiagonalLinearGaussianSSM", "ChaoticRNN", "NeuralSSM", "NeuralProposal", "Lorenz96SSM"],
     "pyro_smc.gp": ["MultiOutputGP"],
     "pyro_smc.distributions": ["MatrixNormal"],
     "pyro_smc.guides": ["AutoKroneckerFlow", "StreamingFilterGuide"],
     "pyro_smc.arviz": ["to_inference_data"],
     "pyro_smc.distributed": ["DistributedELBO", "broadcast_params"],
     "pyro_smc.regression": ["QuadraticRegressor", "KernelRidgeRegressor", "MLPRegressor", "make_regressor"],
-    "pyro_smc.infer": ["OnlineVariationalFilter", "extended_rts_smoother", "unscented_rts_smoother", "gp_adf", "gp_rtss", "GaussianSmootherResult"],
+    "pyro_smc.infer": [
+        "OnlineVariationalFilter",
+        "extended_rts_smoother",
+        "unscented_rts_smoother",
+        "gp_adf",
+        "gp_rtss",
+        "GaussianSmootherResult",
+        "iterated_extended_rts_smoother",
+        "NominalLinearization",
+    ],
 }
 
 
@@ -214,8 +226,9 @@ def test_ep_learning_example_learns():
                 EPSmoother, pyro = namespace["EPSmoother"], namespace["pyro"]
                 with torch.no_grad():
                     pyro.clear_param_store()  # the truth's own parameters, not the fitted ones
-                    truth = namespace["NonlinearGaussianSSM"](namespace["Pendulum"](9.81), namespace["Q"], namespace["sensor"], 0.1 * torch.eye(1),
-                                                              torch.tensor([1.5, 0.0]), 0.1 * torch.eye(2))
+                    truth = namespace["NonlinearGaussianSSM"](
+                        namespace["Pendulum"](9.81), namespace["Q"], namespace["sensor"], 0.1 * torch.eye(1), torch.tensor([1.5, 0.0]), 0.1 * torch.eye(2)
+                    )
                     at_truth = float(EPSmoother(truth, projection="unscented", max_iter=100).smooth(namespace["ys"]).log_evidence) / len(namespace["ys"])
                 assert -losses[-1] > at_truth - 2e-3, (losses[-1], at_truth)
                 assert abs(ssm.transition.g.item() - 9.81) < 1.5 and abs(ssm.observation_cov.item() - 0.1) < 0.03
@@ -317,3 +330,36 @@ def test_readme_torchrun_example_runs_in_one_process(monkeypatch):
         if tdist.is_initialized():
             tdist.destroy_process_group()
     assert namespace["world"] == 1 and isinstance(namespace["loss"], float)
+
+
+def test_pmmh_examples_run():
+    """The PMMH page's examples, as printed (about 150 filter runs of T = 20, N = 50)."""
+    namespace = {}
+    exec(readme_example("pmmh"), namespace)
+    assert set(namespace["samples"]) == {"rho", "sigma"}
+    assert 0.0 <= namespace["rate"] <= 1.0
+    exec(readme_example("pmmh-noise"), namespace)
+    assert namespace["noise_sd"] > 0
+
+
+def test_particle_gibbs_example_runs():
+    """docs/engines/pmcmc.md's particle Gibbs example, cut to 10 samples (the posterior itself
+    is checked against the exact grid posterior in tests/infer/pmcmc/test_gibbs.py)."""
+    code = readme_example("particle-gibbs")
+    assert "num_samples=200, warmup_steps=100" in code
+    namespace = {}
+    exec(code.replace("num_samples=200, warmup_steps=100", "num_samples=10, warmup_steps=5, disable_progbar=True"), namespace)
+    assert namespace["A"].shape == (10, 1, 1) and bool((namespace["A"].abs() < 1).all())
+    assert namespace["paths"].shape == (10, 50, 1)
+    assert 0 <= namespace["rate"] <= 1
+
+
+def test_smc2_example_runs():
+    """docs/engines/smc2.md's example, as printed: a finite evidence and a posterior mean of rho
+    near the simulated 0.7 (the posterior sd at T = 40 is about 0.12)."""
+    namespace = {}
+    exec(readme_example("smc2"), namespace)
+    smc2 = namespace["smc2"]
+    assert bool(torch.isfinite(smc2.log_evidence))
+    assert abs(float(smc2.posterior_mean()["rho"]) - 0.7) < 0.5
+    assert smc2.result.rejuvenated.any()

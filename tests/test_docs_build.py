@@ -358,7 +358,7 @@ def test_intersphinx_inventories_match_their_list():
         assert stored == expected, f"{name}.inv is out of date: run python docs/_inventories/make_inventories.py"
 
 
-@pytest.mark.parametrize("page", ["smc", "ep", "kronecker", "streaming"])
+@pytest.mark.parametrize("page", ["smc", "pmcmc", "smc2", "ep", "kronecker", "streaming"])
 def test_every_engine_has_a_page_in_the_toctree(page):
     assert (DOCS / "engines" / f"{page}.md").exists()
     assert f"engines/{page}" in (DOCS / "index.md").read_text()

@@ -25,6 +25,10 @@ resampler keeps no record of its last call.
   ancestor per new particle, drawn from that particle's row of the transport plan. Its
   ``Resampled.diagnostics`` is the Sinkhorn solve's
   :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` (whether each filter's transport converged).
+* :class:`DiffusionResampler` (``pyro_smc.resamplers.diffusion``): diffusion resampling
+  (Andersson and Zhao 2026): reference draws carried back by a reverse-time diffusion whose score
+  is the weighted particles' own (ensemble) score; smooth in particles and weights for fixed
+  noise (pathwise), no solver.
 * :class:`KernelResampler` (``pyro_smc.resamplers.kernel``): the mixture resampling of
   Younis and Sudderth (2023): new particles drawn from a Gaussian kernel density around the
   weighted particles, with new log-weights :math:`-\log N` in value that carry the gradient of the
@@ -43,7 +47,7 @@ each class says which it has:
   the default), ``"unroll"`` or ``"last_step"`` (``pyro_smc.ops.sinkhorn.GRADIENT_MODES``,
   ``docs/math/smc.md#gradient-modes``); its estimator is always ``PATHWISE``.
 
-The soft and kernel resamplers take no ``gradient=``; their estimator is ``PATHWISE``.
+The soft, kernel and diffusion resamplers take no ``gradient=``; their estimator is ``PATHWISE``.
 
 Where to add a resampler: one module of this package with one :class:`Resampler` subclass
 whose :meth:`~Resampler.resample` returns a :class:`Resampled` (ancestors when it copies
@@ -77,6 +81,7 @@ Example:
 
 from pyro_smc.resamplers.base import GradientEstimator, Resampled, Resampler, estimator_of, resample
 from pyro_smc.resamplers.index import INDEX_GRADIENT_MODES, IndexResampler, MultinomialResampler, StratifiedResampler, SystematicResampler
+from pyro_smc.resamplers.diffusion import DiffusionResampler
 from pyro_smc.resamplers.kernel import KernelResampler
 from pyro_smc.resamplers.ot import OTResampler
 from pyro_smc.resamplers.soft import SoftResampler
@@ -95,4 +100,5 @@ __all__ = [
     "SoftResampler",
     "OTResampler",
     "KernelResampler",
+    "DiffusionResampler",
 ]

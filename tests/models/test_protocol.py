@@ -6,7 +6,7 @@ import torch
 
 from pyro_smc import SMC, EPSmoother
 from pyro_smc.infer import gaussian_filter, gaussian_smoother
-from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, GaussianStateSpaceModel, LinearGaussianSSM, NonlinearGaussianSSM, StateSpaceModel, time_dependent
+from pyro_smc.models import ChaoticRNN, DiagonalLinearGaussianSSM, GaussianStateSpaceModel, LinearGaussianSSM, Lorenz96SSM, NonlinearGaussianSSM, StateSpaceModel, time_dependent
 from tests.cases import assert_same_marginals
 
 PROJECTIONS = ["linearization", "unscented", "moment_matching"]
@@ -33,8 +33,9 @@ MODELS = {
     "nonlinear": _nonlinear,
     "chaotic_rnn": lambda: ChaoticRNN(3, generator=torch.Generator().manual_seed(0)),
     "chaotic_rnn_surrogate": lambda: ChaoticRNN(3, generator=torch.Generator().manual_seed(0)).as_nonlinear_gaussian(),
+    "lorenz96": lambda: Lorenz96SSM(6),
 }
-GAUSSIAN = ["linear", "diagonal", "nonlinear", "chaotic_rnn_surrogate"]
+GAUSSIAN = ["linear", "diagonal", "nonlinear", "chaotic_rnn_surrogate", "lorenz96"]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

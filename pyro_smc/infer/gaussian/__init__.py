@@ -11,6 +11,7 @@ and messages), ``sites`` (EP's site messages), ``observed`` (each step's observa
 
 from pyro_smc.infer.gaussian.ep import EPConvergenceWarning, EPSmoother
 from pyro_smc.infer.gaussian.evidence_fit import fit_evidence
+from pyro_smc.infer.gaussian.iterated import NominalLinearization, iterated_extended_rts_smoother
 from pyro_smc.infer.gaussian.observed import ObservationStatus
 from pyro_smc.infer.gaussian.projections import Linearization, MomentMatching, Projection, Unscented
 from pyro_smc.infer.gaussian.result import EPIteration, EPState, GaussianSmootherResult
@@ -38,6 +39,8 @@ __all__ = [
     "Unscented",
     "extended_kalman_filter",
     "extended_rts_smoother",
+    "iterated_extended_rts_smoother",
+    "NominalLinearization",
     "fit_evidence",
     "gaussian_filter",
     "gaussian_smoother",

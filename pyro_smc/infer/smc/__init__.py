@@ -7,8 +7,10 @@ particles and the weights), ``result`` (a step's record and the run's stacked re
 ``importance`` (a step's importance weight from the traces), ``scores`` (the score-function
 terms that need the step's state), ``schedule`` (what ``run`` feeds each step), ``checks``
 (input checks and warnings), ``smoothing`` (the stored history and the particle smoothers),
-``checkpoint`` (``state_dict``), ``compiled`` (a step recorded once and replayed) and ``elbo``
-(``SMCELBO``).
+``checkpoint`` (``state_dict``), ``compiled`` (a step recorded once and replayed), ``elbo``
+(``SMCELBO``), and the options that resample at the start of a step: ``first_stage`` (that
+resampling), ``auxiliary`` (the auxiliary filter's look-ahead) and ``qmc`` (SQMC's inverse-CDF
+draws).
 """
 
 from pyro_smc.infer.smc.checks import NonReparameterizedGradientWarning, ParticleDegeneracyWarning

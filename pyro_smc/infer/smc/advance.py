@@ -13,7 +13,7 @@ that and nothing else, so no step hands data to the next through attributes::
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,6 +49,10 @@ class StepSettings(NamedTuple):
         report: within ``SMC.run``, the run's
             :class:`~pyro_smc.infer.smc.convergence.ConvergenceReport` (``None``: every
             unconverged solve warns at its step).
+        deferred: the resampling happens at the start of the next step (the auxiliary and
+            quasi-Monte Carlo filters, :mod:`~pyro_smc.infer.smc.first_stage`), not after the
+            weighing.
+        draws: a handler that sets the step's latent draws (SQMC), or ``None``.
     """
 
     layout: ParticleLayout
@@ -57,6 +61,8 @@ class StepSettings(NamedTuple):
     store_history: bool
     compiled: CompiledStep | None = None
     report: ConvergenceReport | None = None
+    deferred: bool = False
+    draws: Any = None
 
     @property
     def estimator(self) -> GradientEstimator:
@@ -122,7 +128,10 @@ def advance(
         # A replayed step: its checks ran when it was recorded, and it weighed itself.
         recorded = replayed.weighed
         return finish(settings, checks.discrete_keys, state, weights.gain(recorded.log_weights, recorded.increment), inputs, None, recorded)
-    proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function) if replayed is None else replayed.proposal
+    if replayed is None:
+        proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function, draws=settings.draws)
+    else:
+        proposal = replayed.proposal
     checks.check(proposal, state, inputs, ESTIMATOR_OPTION[estimator.value] if score_function else None)
     if replayed is None:
         terms = log_weight_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.predict_only, inputs.partial, inputs.active)
@@ -162,6 +171,9 @@ def finish(
         need, flags = ess < settings.ess_threshold * layout.num_particles, None
     else:
         means, ess, need, flags = recorded.means, recorded.ess, recorded.need, recorded.flags
+    if settings.deferred:
+        # The next step's first stage resamples (it reads the next observation).
+        need, flags = torch.zeros_like(need), (False, False)
     # References, not copies: resampling replaces the state tensors instead of mutating them.
     weighted = (dict(state), weights.log_weights)
     if history is not None:

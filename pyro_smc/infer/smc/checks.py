@@ -23,14 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pyro_smc.checks import int_at_least, positive_int, unit_interval
+from pyro_smc.checks import boolean, int_at_least, positive_int, unit_interval
 from pyro_smc.infer.smc.smoothing import SMOOTHING_METHODS
+from pyro_smc.resamplers import GradientEstimator, IndexResampler, estimator_of
 
 __all__ = [
     "ESTIMATOR_OPTION",
     "NonReparameterizedGradientWarning",
     "ParticleDegeneracyWarning",
     "check_finite_args",
+    "check_first_stage",
     "check_marginal_supported",
     "check_resampler",
     "check_settings",
@@ -148,6 +150,25 @@ def check_settings(num_particles: Any, num_filters: Any, max_plate_nesting: Any,
     unit_interval("ess_threshold", ess_threshold)
     if resampler is not None:
         check_resampler(resampler)
+
+
+def check_first_stage(auxiliary: Any, qmc: Any, resampler: Any) -> None:
+    """The ``auxiliary`` and ``qmc`` options of ``SMC`` against its resampler.
+
+    Raises:
+        ValueError: a flag that is not a bool; ``qmc=True`` with a resampler other than an index
+            resampler; either with ``gradient="marginal_stop_gradient"``.
+    """
+    boolean("auxiliary", auxiliary)
+    boolean("qmc", qmc)
+    if qmc and resampler is not None and not isinstance(resampler, IndexResampler):
+        raise ValueError(
+            f"qmc=True resamples by the inverse CDF of its QMC points along the Hilbert curve; it takes an index resampler "
+            f"(SystematicResampler, StratifiedResampler, MultinomialResampler) for its gradient= mode, got {type(resampler).__name__}"
+        )
+    if (auxiliary or qmc) and resampler is not None and estimator_of(resampler) is GradientEstimator.MARGINAL_SCORE:
+        option = "auxiliary=True" if auxiliary else "qmc=True"
+        raise ValueError(f'{option} does not support gradient="marginal_stop_gradient" (its mixture weights are the filtering weights); use "stop_gradient"')
 
 
 def check_programs(model: Any, guide: Any) -> None:

@@ -33,7 +33,9 @@ import pyro.distributions as dist
 from torch import Tensor
 
 from pyro_smc.gp import pinned_posteriors
-from pyro_smc.infer.smc import checkpoint, smoothing
+from pyro_smc.infer.smc import checkpoint, first_stage, smoothing
+from pyro_smc.infer.smc.auxiliary import look_ahead_of
+from pyro_smc.infer.smc.qmc import InverseCDFDraws
 from pyro_smc.infer.smc.advance import StepSettings, advance
 from pyro_smc.infer.smc.compiled import CompiledStep
 from pyro_smc.infer.smc.convergence import ConvergenceReport
@@ -41,6 +43,7 @@ from pyro_smc.infer.smc.checks import (
     NonReparameterizedGradientWarning,
     ParticleDegeneracyWarning,
     check_finite_args,
+    check_first_stage,
     check_programs,
     check_settings,
     check_quantile_request,
@@ -85,6 +88,15 @@ class SMC:
         compile: replay a recording of a regular step instead of re-running the program
             (``docs/engines/smc.md#the-compiled-step``): ``None`` when safe, else silently on
             Pyro's handlers; ``True`` the same with a warning; ``False`` never.
+        auxiliary: the auxiliary particle filter: resample at the start of each step by the
+            weights times the guide's (else the model's) ``look_ahead(state, y, *args)``, the
+            per-particle :math:`\log \eta_t(x_{t-1})`, and divide the new weights by it
+            (``docs/engines/smc.md#auxiliary-particle-filter``).
+        qmc: sequential quasi-Monte Carlo: resample every filter at the start of each step
+            along the Hilbert curve of the particles by scrambled Sobol points, whose other
+            coordinates draw the step's latent sites by their inverse CDFs (``ess_threshold``
+            unused; an index resampler, whose ``gradient=`` is kept; not compiled;
+            ``docs/engines/smc.md#sequential-quasi-monte-carlo``).
 
     Attributes:
         state: the particle state (:class:`~pyro_smc.infer.smc.state.SMCState`).
@@ -132,11 +144,14 @@ class SMC:
         progress_bar: bool | None = None,
         store_history: bool = False,
         compile: bool | None = None,
+        auxiliary: bool = False,
+        qmc: bool = False,
     ):
         if num_particles is None:
             raise TypeError("SMC needs num_particles: SMC(model, guide, num_particles, max_plate_nesting) or SMC(model, num_particles=N)")
         check_settings(num_particles, num_filters, max_plate_nesting, ess_threshold, resampler)
         check_programs(model, guide)
+        check_first_stage(auxiliary, qmc, resampler)
         self.model = model
         self.guide = guide
         self.num_particles = int(num_particles)
@@ -151,6 +166,9 @@ class SMC:
         self._layout = ParticleLayout(self.num_filters, self.num_particles, self.max_plate_nesting)
         self._program = StepProgram(model, guide, self._layout)
         self._compiled = CompiledStep(compile)
+        self.auxiliary, self.qmc = bool(auxiliary), bool(qmc)
+        self._look_ahead = look_ahead_of(model, guide) if self.auxiliary else None
+        self._qmc_dims: dict[str, int] = {}  # the QMC coordinates init and a step spend
         self._reset()
 
     def _reset(self) -> None:
@@ -165,6 +183,8 @@ class SMC:
         self._history: list[dict] = []  # per step, what smooth() needs (store_history)
         self._checks = TraceChecks(self.model, self._layout.particle_shape)
         self._compiled.reset()
+        if self.qmc and self._compiled.enabled:
+            self._compiled.give_up("qmc=True draws the latent sites by a handler, which a recording cannot replay")
         self._report: ConvergenceReport | None = None  # set by run() for its steps
 
     @property
@@ -185,7 +205,9 @@ class SMC:
         """Starts new filters: runs ``model.init`` (and ``guide.init``) on fresh particles."""
         self._reset()
         check_finite_args(args, kwargs, "init")
-        self._advance(self.model.init, self.guide.init if self.guide is not None else None, StepInputs(args, kwargs, None))
+        inputs = StepInputs(args, kwargs, None)
+        draws = self._qmc_draws("init", inputs) if self.qmc else None
+        self._advance(self.model.init, self.guide.init if self.guide is not None else None, inputs, draws)
         self._initialized = True
         return self
 
@@ -219,7 +241,12 @@ class SMC:
         guide_step = self.guide.step if self.guide is not None and proposes else None
         if self.guide is not None and not proposes:
             self._program.advance_guide(self.state, inputs)
-        self._advance(self.model.step, guide_step, inputs)
+        draws = None
+        if (self.auxiliary or self.qmc) and self._weights is not None and self.state:
+            draws = first_stage.run(self, inputs)
+        elif self.qmc:
+            draws = self._qmc_draws("step", inputs)
+        self._advance(self.model.step, guide_step, inputs, draws)
         if self._weights is None:
             raise ValueError(
                 f"at {inputs.where}: model.init and model.step sampled no site and wrote no state, so there is nothing to filter; "
@@ -291,10 +318,13 @@ class SMC:
         return self
 
     # --- one step: propose -> weigh -> summarise -> maybe resample -------------------------------
-    def _advance(self, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs) -> None:
+    def _advance(self, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, draws: InverseCDFDraws | None = None) -> None:
         """Takes one step (``inputs.t is None``: ``init``) and keeps what it made."""
-        settings = StepSettings(self._layout, self.resampler, self.ess_threshold, self.store_history, self._compiled, self._report)
+        deferred = self.auxiliary or self.qmc
+        settings = StepSettings(self._layout, self.resampler, self.ess_threshold, self.store_history, self._compiled, self._report, deferred, draws)
         outcome = advance(settings, self._program, self._checks, self.state, self._weights, model_fn, guide_fn, inputs)
+        if draws is not None:
+            self._qmc_dims["init" if inputs.t is None else "step"] = draws.used
         if outcome.weights is None:
             return
         self._weights, self.ess, self._weighted = outcome.weights, outcome.ess, outcome.weighted
@@ -302,6 +332,10 @@ class SMC:
             self._records.append(outcome.record)
         if outcome.history is not None:
             self._history.append(outcome.history)
+
+    def _qmc_draws(self, kind: str, inputs: StepInputs) -> InverseCDFDraws:
+        """SQMC's draws for a step without a first stage (``init``, or no particles yet)."""
+        return InverseCDFDraws(None, self._layout, inputs.where, dims=self._qmc_dims.get(kind, 0))
 
     @property
     def compile_status(self) -> str | None:

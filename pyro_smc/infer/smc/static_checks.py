@@ -73,13 +73,16 @@ def unflatten(inputs: StepInputs, tensors: tuple) -> tuple[tuple, dict]:
 
 def module_tensors(program: StepProgram) -> tuple[Tensor, ...]:
     """The model's and guide's own tensors, read afresh at every step: an ``nn.Module``'s
-    parameters and buffers, and any tensor attribute (``model.A = theta``, which may require
-    grad). Pyro sees only ``pyro.param``; the recording must take these as inputs too."""
+    parameters and buffers, and any tensor attribute of it or of its submodules
+    (``model.A = theta``, ``model.obs.scale = s``, which may require grad). Pyro sees only
+    ``pyro.param``; the recording must take these as inputs too, or a new value would be a
+    constant of the recording (caught, but recorded afresh at every run)."""
     seen: dict[int, Tensor] = {}
     for owner in (program.model, program.guide):
         if owner is None:
             continue
-        found = [v for v in vars(owner).values() if isinstance(v, Tensor)]
+        holders = list(owner.modules()) if isinstance(owner, torch.nn.Module) else [owner]
+        found = [v for holder in holders for v in vars(holder).values() if isinstance(v, Tensor)]
         if isinstance(owner, torch.nn.Module):
             found += list(owner.parameters()) + list(owner.buffers())
         for tensor in found:

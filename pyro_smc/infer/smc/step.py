@@ -120,7 +120,7 @@ class StepProgram:
                 stack.enter_context(plate)
             yield stack
 
-    def propose(self, state: SMCState, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, detach: bool) -> Proposal:
+    def propose(self, state: SMCState, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, detach: bool, draws: Any = None) -> Proposal:
         """Runs the guide (if any), then the model replayed against the guide's draws.
 
         Args:
@@ -129,12 +129,18 @@ class StepProgram:
             guide_fn: ``guide.init`` or ``guide.step``, or ``None`` (the model's transition proposes).
             inputs: the step's arguments and masks.
             detach: record detached draws (the score-function estimators).
+            draws: a handler that sets the latent draws (SQMC's
+                :class:`~pyro_smc.infer.smc.qmc.InverseCDFDraws`), or ``None``.
 
         Raises:
             ValueError: a model plate collides with the particle plate (naming the step).
         """
         mpn = self.layout.max_plate_nesting
         with self.handlers() as stack:
+            if draws is not None:
+                # Inside the plates (the sites' distributions are broadcast when it reads them),
+                # outside the detaching handler, which then detaches its values.
+                stack.enter_context(draws)
             if detach:
                 # Inside the plates, outside the traces: the traces record the detached draws.
                 stack.enter_context(detach_latent_draws())
