@@ -65,7 +65,7 @@ from pyro.poutine.trace_struct import Trace
 from torch import Tensor
 
 from pyro_smc.checks import boolean, int_at_least
-from pyro_smc.observations import step_observation
+from pyro_smc.observations import row_status, step_observation
 from pyro_smc.resamplers.base import gather
 from pyro_smc.tracing import is_latent, is_scored, module_context, site_log_probs
 
@@ -432,19 +432,21 @@ def _shifted(log_w: Tensor | None, n: int, ys: list, where: str) -> Tensor:
         dtype = like.dtype if like is not None else torch.get_default_dtype()
         device = like.device if like is not None else None
         return torch.zeros(n, dtype=dtype, device=device)
-    log_w = torch.nan_to_num(log_w, nan=-math.inf)
-    top = log_w.max()
-    if not bool(torch.isfinite(top)):
-        raise ValueError(f"at {where} every particle has zero (or infinite) weight: check the model and the observation")
-    return log_w - top
+    return _less_max(log_w, f"at {where} every particle has zero (or infinite) weight: check the model and the observation")
 
 
 def _categorical(log_w: Tensor, where: str) -> Tensor:
+    message = f"at {where} every particle has zero weight: the model gives the observation (or the reference) zero density"
+    return torch.multinomial(_less_max(log_w, message).exp(), 1).squeeze(-1)
+
+
+def _less_max(log_w: Tensor, message: str) -> Tensor:
+    """``log_w`` (NaN read as zero weight) less its maximum; ``message`` when no weight is left."""
     log_w = torch.nan_to_num(log_w, nan=-math.inf)
     top = log_w.max()
     if not bool(torch.isfinite(top)):
-        raise ValueError(f"at {where} every particle has zero weight: the model gives the observation (or the reference) zero density")
-    return torch.multinomial((log_w - top).exp(), 1).squeeze(-1)
+        raise ValueError(message)
+    return log_w - top
 
 
 def _check_observations(observations: Any) -> tuple[list, list[bool]]:
@@ -458,13 +460,11 @@ def _check_observations(observations: Any) -> tuple[list, list[bool]]:
         raise ValueError(f"observations must be a tensor (T, ...) or a sequence of tensors and None, got {type(observations).__name__}")
     if not steps:
         raise ValueError("observations must have at least one time step")
-    if isinstance(observations, Tensor) and observations.is_floating_point():
-        # the whole sequence at once: one device synchronisation instead of a few per step
-        flat = observations.reshape(len(steps), -1)
-        nan = torch.isnan(flat)
-        row_missing, row_partly = nan.all(-1), nan.any(-1) & ~nan.all(-1)
-        if not bool(torch.isinf(flat).any() | row_partly.any()):
-            return steps, row_missing.tolist()
+    if isinstance(observations, Tensor) and observations.is_floating_point() and observations[0].numel():
+        # the whole sequence at once, by the shared rule (inf is an error naming its step)
+        status = row_status(observations.reshape(len(steps), -1))
+        if not bool(status.partly.any()):
+            return steps, status.missing.tolist()
     missing = []
     for t, y in enumerate(steps):
         status = step_observation(y, t)
