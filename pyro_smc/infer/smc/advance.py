@@ -22,6 +22,7 @@ from pyro_smc.infer.model_state import plain_attributes
 from pyro_smc.infer.smc import smoothing
 from pyro_smc.infer.smc.compiled import CompiledStep, Weighed
 from pyro_smc.infer.smc.convergence import ConvergenceReport
+from pyro_smc.infer.smc.replay import resample_every
 from pyro_smc.infer.smc.checks import ESTIMATOR_OPTION, check_marginal_supported
 from pyro_smc.infer.smc.importance import ParticleLayout, log_weight_terms, score_terms
 from pyro_smc.infer.smc.result import StepRecord
@@ -209,9 +210,11 @@ def _resample_replayed(state: SMCState, weights: ParticleWeights, need: Tensor, 
     resampler: the same draws and copies, without the resampler's Python and its checks (the
     replay checked the normalisers; labels are copied as they are, which is what their integer
     round trip does)."""
-    code, stop_gradient, search_below = scheme
     batched = [layout.batched_particles(value) for value in state.values()]
-    new, log_weights = resample_where(need, every, weights.log_weights, batched, code, stop_gradient, search_below)
+    if every:
+        new, log_weights = resample_every(weights.log_weights, batched, scheme)
+    else:
+        new, log_weights = resample_where(need, every, weights.log_weights, batched, *scheme)
     state.replace({key: value.squeeze(0) if layout.num_filters == 1 else value for key, value in zip(state, new)})
     return weights._replace(log_weights=log_weights)
 

@@ -161,6 +161,11 @@ class CompiledStep:
     def enabled(self) -> bool:
         return self.reason is None
 
+    @property
+    def verified(self) -> bool:
+        """Whether this run replays a verified recording (the steps after may run as a loop)."""
+        return self.reason is None and self._verified and self._recording is not None
+
     def give_up(self, reason: str) -> None:
         """Falls back to the handler path for the rest of the run."""
         self.reason, self._recording, self._pending = reason, None, None
@@ -258,6 +263,26 @@ class CompiledStep:
             self._verified = True
             self._recording = self._recording._replace(runs=self._recording.runs + 1)
             _keep(program, self._recording)
+
+    def loop_inputs(self, program: StepProgram, state: SMCState, log_weights: Tensor, threshold: float, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, detach: bool, score: bool):
+        """The verified recording and its inputs at the regular step ``inputs``, laid out for
+        :func:`~pyro_smc.infer.smc.replay_loop.run_replayed`; ``None`` where the step would not
+        replay (not verified yet, a different signature) or the loop cannot take it (the step
+        changes the state's keys, the observation is not a tensor)."""
+        recording = self._recording
+        if not (self.enabled and self._verified and recording is not None) or recording.out_keys != tuple(state):
+            return None
+        if not inputs.args or not isinstance(inputs.args[0], Tensor):
+            return None
+        weights = (log_weights.shape, log_weights.dtype)
+        settings = (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn), threshold, weights)
+        tensors, signature = flatten(state, inputs, settings)
+        extra = module_tensors(program)
+        if signature != recording.signature or shapes(extra) != recording.extra:
+            return None
+        store = dict(pyro.get_param_store().named_parameters()) if recording.params else {}
+        values = tensors + (log_weights,) + extra + tuple(store[name] for name in recording.params)
+        return recording, values, len(state), len(tensors)
 
     # --- record, replay ----------------------------------------------------------------------------
     def _record(self, program, state, model_fn, guide_fn, inputs, settings, tensors, signature) -> Replayed | None:

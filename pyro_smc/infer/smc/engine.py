@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import pyro.distributions as dist
+import torch
 from torch import Tensor
 
 from pyro_smc.gp import pinned_posteriors
@@ -51,6 +52,7 @@ from pyro_smc.infer.smc.checks import (
     warn_degenerate_weights,
 )
 from pyro_smc.infer.smc.importance import ParticleLayout, SMCFailedError
+from pyro_smc.infer.smc.replay_loop import LoopPlan, run_replayed
 from pyro_smc.infer.smc.result import SMCResult, StepRecord, stack_records
 from pyro_smc.infer.smc.schedule import fill_missing, observation_schedule
 from pyro_smc.infer.smc.state import ParticleWeights, SMCState
@@ -60,6 +62,7 @@ from pyro_smc.observations import step_observation
 from pyro_smc.progress import progress, progress_enabled
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.resamplers import GradientEstimator, Resampler, SystematicResampler, estimator_of
+from pyro_smc.resamplers.index import index_scheme
 
 __all__ = ["SMC", "SMCState", "SMCFailedError", "NonReparameterizedGradientWarning", "ParticleDegeneracyWarning"]
 
@@ -302,13 +305,27 @@ class SMC:
         # A GP inside the model or guide computes its posterior once for the whole run (with its
         # graph when its hyperparameters require grad), not once per step.
         report = ConvergenceReport()
-        with pinned_posteriors(self.model, self.guide):
+        # From here on every step is regular: the loop of replay_loop may take them over.
+        regular_from = len(schedule)
+        while regular_from > 0 and _regular(schedule[regular_from - 1]):
+            regular_from -= 1
+        looped = False
+        with pinned_posteriors(self.model, self.guide), progress(desc="SMC", enabled=progress_enabled(self.progress_bar), total=len(schedule)) as bar:
             self.init(*args, **kwargs)
             self._report = report  # after init(), which starts the run afresh
             try:
-                for t, step in enumerate(progress(schedule, desc="SMC", enabled=progress_enabled(self.progress_bar))):
+                t = 0
+                while t < len(schedule):
+                    step = schedule[t]
                     # Observations were checked above, all at once.
                     self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active))
+                    t += 1
+                    bar.update(1)
+                    if not looped and t >= regular_from and t < len(schedule) and self._compiled.verified:
+                        looped = True  # tried once: a recording the loop cannot take stays step by step
+                        done = self._replay_rest(schedule, t, args, kwargs)
+                        t += done
+                        bar.update(done)
             finally:
                 self._report = None
         summary = report.summary(len(schedule))
@@ -316,6 +333,46 @@ class SMC:
             warnings.warn(SinkhornConvergenceWarning(summary), stacklevel=2)
         warn_degenerate_weights(self.ess_history, self.num_particles)
         return self
+
+    def _replay_rest(self, schedule: list, start: int, args: tuple, kwargs: dict) -> int:
+        """Steps ``start, ...`` of a run (all regular) by the compiled loop of
+        :mod:`~pyro_smc.infer.smc.replay_loop`; the number taken (0: the run goes on step by step)."""
+        scheme = index_scheme(self.resampler)
+        weights = self._weights
+        if scheme is None or self.auxiliary or self.qmc or self.store_history or weights is None or weights.unreported is not None or not self.state:
+            return 0
+        step = schedule[start]
+        inputs = StepInputs((step.y,) + args, kwargs, start)
+        score = self.score_function
+        found = self._compiled.loop_inputs(
+            self._program,
+            self.state,
+            weights.log_weights,
+            self.ess_threshold * self.num_particles,
+            self.model.step,
+            None if self.guide is None else self.guide.step,
+            inputs,
+            score,
+            score and torch.is_grad_enabled(),
+        )
+        if found is None:
+            return 0
+        recording, values, observation, log_weights_at = found
+        plan = LoopPlan(
+            recording.function,
+            recording.executors,
+            tuple(self.state),
+            values,
+            observation,
+            log_weights_at,
+            len(recording.term_names) + int(recording.has_score),
+            recording.checks,
+            self.num_filters,
+            scheme,
+        )
+        done = run_replayed(self, plan, [entry.y for entry in schedule[start:]])
+        self._t += done
+        return done
 
     # --- one step: propose -> weigh -> summarise -> maybe resample -------------------------------
     def _advance(self, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, draws: InverseCDFDraws | None = None) -> None:
@@ -512,3 +569,8 @@ class SMC:
         """Restores :meth:`state_dict` into an ``SMC`` built with the same settings and model class;
         with ``restore_rng`` the filters continue bit-identically."""
         checkpoint.load_state_dict(self, state, restore_rng)
+
+
+def _regular(step) -> bool:
+    """Whether a scheduled step observes every entry of every filter (what the loop takes)."""
+    return not step.predict_only and step.observed is None and step.active is None

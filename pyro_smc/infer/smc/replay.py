@@ -27,13 +27,15 @@ Example:
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from pyro_smc.infer.model_state import rng_state, set_rng_state
+from pyro_smc.ops.resample import resample_where
 
-__all__ = ["execute", "simplified"]
+__all__ = ["execute", "resample_every", "simplified"]
 
 logger = logging.getLogger("pyro_smc")
 
@@ -49,10 +51,13 @@ def simplified(function: Callable) -> Callable:
     subexpressions merged, views to the input's own sizes dropped, dead nodes removed. The
     same values bit for bit; the random draws untouched (TorchScript never folds them)."""
     graph = function.graph.copy()
+    for node in list(graph.nodes()):
+        if node.kind() == "aten::size":
+            _constant_size(graph, node)
     torch._C._jit_pass_constant_propagation(graph)
     torch._C._jit_pass_cse(graph)
     for node in list(graph.nodes()):
-        if node.kind() in _VIEWS and _same_tensor(node):
+        if (node.kind() in _VIEWS and _same_tensor(node)) or (node.kind() == "aten::contiguous" and _contiguous(node.inputsAt(0))):
             node.output().replaceAllUsesWith(node.inputsAt(0))
     # After the views are gone, the broadcasts' uses are the arithmetic itself.
     for node in list(graph.nodes()):
@@ -66,6 +71,21 @@ def simplified(function: Callable) -> Callable:
             _float_constant(graph, node)
     torch._C._jit_pass_dce(graph)
     return torch._C._create_function_from_graph("smc_step", graph)
+
+
+def _constant_size(graph, node) -> None:
+    """``x.size(d)`` of a value whose sizes the trace fixed, as a constant: a recording is
+    replayed only on inputs of its recorded sizes (its signature), so the size is one number,
+    and constant propagation then folds what was computed from it (``arange(n)``, ``n - 1``)."""
+    inputs = list(node.inputs())
+    sizes = _sizes(inputs[0])
+    if len(inputs) != 2 or sizes is None or inputs[1].node().kind() != "prim::Constant":
+        return
+    dim = inputs[1].toIValue()
+    if not isinstance(dim, int) or not -len(sizes[0]) <= dim < len(sizes[0]):
+        return
+    graph.setInsertPoint(node)
+    node.output().replaceAllUsesWith(graph.insertConstant(int(sizes[0][dim])))
 
 
 # Elementwise ops that broadcast their two tensor operands.
@@ -173,6 +193,25 @@ def _standard_normal(graph, node) -> None:
     node.output().replaceAllUsesWith(draw.output())
 
 
+def _contiguous(value) -> bool:
+    """Whether the trace saw ``value`` contiguous (its ``contiguous()`` is then itself).
+
+    Only for recordings replayed on inputs laid out as recorded: a view input's strides are
+    part of no signature, so this is used on values computed inside the recording."""
+    kind = value.type()
+    if value.node().kind() == "prim::Param" or not isinstance(kind, torch._C.TensorType):
+        return False
+    sizes, strides = kind.sizes(), kind.strides()
+    if sizes is None or strides is None:
+        return False
+    expected = 1
+    for size, stride in reversed(list(zip(sizes, strides))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _same_tensor(node) -> bool:
     """Whether a view or ``to`` node returns its input as it is (same sizes, dtype and device;
     ``to`` without ``copy=True``)."""
@@ -258,3 +297,53 @@ def _identical(a: Any, b: Any) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a, b) or (a.is_floating_point() and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
+
+
+# Recordings of the index resampling of every filter, by scheme and tensor layout: one model's
+# run needs one, an SVI loop over a few shapes a few. Oldest dropped first beyond this many.
+_RESAMPLINGS: dict[tuple, tuple[Callable, dict]] = {}
+_MAX_RESAMPLINGS = 16
+
+
+def resample_every(log_weights: torch.Tensor, particles: list[torch.Tensor], scheme: tuple[int, bool, int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`~pyro_smc.ops.resample.resample_where` of every filter, recorded once per
+    ``scheme`` and layout and replayed by :func:`execute`: the same generator calls, ancestors
+    and copies, at a third of the cost of the eager ops for a small filter (about a dozen ops
+    of a few microseconds each, where the static runtime pays about one).
+
+    Args:
+        log_weights: normalised ``(B, N)``, finite normalisers (the caller checked them).
+        particles: tensors ``(B, N, *event)``.
+        scheme: ``(code, stop_gradient, search_below)`` of
+            :func:`~pyro_smc.resamplers.index.index_scheme`.
+
+    Returns:
+        The particles and log-weights after resampling, as ``resample_where`` returns them.
+    """
+    code, stop_gradient, search_below = scheme
+    key = (scheme,) + tuple((t.shape, t.dtype, t.device) for t in (log_weights, *particles))
+    entry = _RESAMPLINGS.get(key)
+    inputs = (log_weights, *particles)
+    if entry is not None:
+        out = execute(entry[0], entry[1], inputs)
+        return list(out[:-1]), out[-1]
+    made: list = []
+
+    def resampling(lw: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        new, new_lw = resample_where(lw, True, lw, list(values), code, stop_gradient, search_below)
+        made[:] = new + [new_lw]
+        return tuple(new) + (new_lw,)
+
+    # The trace's own run is this call's resampling (the generator advanced once).
+    with warnings.catch_warnings():
+        # The sizes it reads are constants indeed: the recording is kept per layout.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        function = torch.jit.trace(resampling, inputs, check_trace=False)
+    try:
+        function = simplified(function)
+    except Exception as error:  # noqa: BLE001 - left as traced: the same values
+        logger.info("SMC's resampling recording is replayed as traced: its simplification failed (%s)", error)
+    if len(_RESAMPLINGS) >= _MAX_RESAMPLINGS:
+        _RESAMPLINGS.pop(next(iter(_RESAMPLINGS)))
+    _RESAMPLINGS[key] = (function, {})
+    return made[:-1], made[-1]

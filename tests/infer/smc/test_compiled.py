@@ -11,9 +11,12 @@ import torch
 from pyro.nn import PyroModule, PyroParam
 
 from pyro_smc import SMC
+from pyro_smc.infer.smc.importance import SMCFailedError
 from pyro_smc.infer.smc.compiled import CompileFallbackWarning
 from pyro_smc.ops.resample import resample_where
 from pyro_smc.infer.smc import advance, replay
+from pyro_smc.infer.smc import engine as engine_module
+from pyro_smc.infer.smc.replay_loop import run_replayed
 from pyro_smc.resamplers import MultinomialResampler, OTResampler, StratifiedResampler, SystematicResampler
 
 T = 30
@@ -114,19 +117,29 @@ class Mixed:
     ids=lambda value: value.__name__.lower() if isinstance(value, type) else f"{type(value).__name__}-{value.gradient}",
 )
 @pytest.mark.parametrize("num_filters, num_particles", [(1, 64), (1, 500), (3, 200)], ids=["B1", "B1-counting", "B3"])
-def test_replayed_steps_resample_as_the_handler_path(resampler, num_filters, num_particles, model, monkeypatch):
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "step-by-step"])
+def test_replayed_steps_resample_as_the_handler_path(resampler, num_filters, num_particles, model, loop, monkeypatch):
     """A replayed step resamples an index resampler's way in tensor operations alone
-    (resample_where): the same draws, particles, log-weights and gradients as the resampler's
-    call on the handler path, for every scheme, one filter or some of several, labels and
-    event dims, and systematic resampling's search and counting paths."""
-    calls = []
+    (resample_where, or resample_every when every filter resamples; inside the compiled loop of
+    replay_loop when the rest of the run is regular): the same draws, particles, log-weights and
+    gradients as the resampler's call on the handler path, for every scheme, one filter or some
+    of several, labels and event dims, and systematic resampling's search and counting paths."""
+    calls, looped = [], []
     monkeypatch.setattr(advance, "resample_where", lambda *a: calls.append(1) or resample_where(*a))
+    monkeypatch.setattr(advance, "resample_every", lambda *a: calls.append(1) or replay.resample_every(*a))
+    if loop:
+        monkeypatch.setattr(engine_module, "run_replayed", lambda *a: looped.append(run_replayed(*a)) or looped[-1])
+    else:
+        monkeypatch.setattr(engine_module.SMC, "_replay_rest", lambda *a: 0)
     runs = []
     for compile in (False, None):
         runs.append(_run(compile, model=model(), num_particles=num_particles, num_filters=num_filters, resampler=resampler))
     (plain, g_plain), (fast, g_fast) = runs
     assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
-    assert calls and fast.resampled.any(-1).sum() > len(calls) / 2  # the replayed steps resampled by it
+    if loop:
+        assert looped == [T - 3] and not calls  # after the verified step, the loop took the rest
+    else:
+        assert calls and fast.resampled.any(-1).sum() > len(calls) / 2  # the replayed steps resampled by it
     _assert_same(fast, plain, g_fast, g_plain)
     assert torch.equal(fast.resampled, plain.resampled)
     for key in plain.state:
@@ -377,6 +390,8 @@ def test_steps_without_gradients_run_on_the_static_runtime_with_the_same_values(
     from its second call): the same draws and values as the handler path (bit for bit here);
     with parameters that require grad it stays on the interpreter, whose autograd the
     gradients need."""
+    # Step by step (as SMC.step replays): the loop of a run calls the recording inside TorchScript.
+    monkeypatch.setattr(engine_module.SMC, "_replay_rest", lambda *a: 0)
     monkeypatch.setattr(replay, "_STATIC_AFTER", 2)
     model = Mixed()
     runs = []
@@ -402,6 +417,8 @@ def test_steps_without_gradients_run_on_the_static_runtime_with_the_same_values(
 
 
 def test_a_static_runtime_that_fails_leaves_the_recording_on_the_interpreter(monkeypatch):
+    # Step by step (as SMC.step replays): the loop of a run calls the recording inside TorchScript.
+    monkeypatch.setattr(engine_module.SMC, "_replay_rest", lambda *a: 0)
     monkeypatch.setattr(replay, "_STATIC_AFTER", 2)
 
     def broken(graph):
@@ -429,3 +446,24 @@ def test_a_simplification_that_fails_replays_the_recording_as_traced(monkeypatch
     (plain, g_plain), (fast, g_fast) = _run(False, num_particles=40), _run(None, num_particles=40)
     assert fast.compile_status is None and fast._compiled.compiled_steps == T - 3
     _assert_same(fast, plain, g_fast, g_plain)
+
+
+def test_a_step_that_fails_inside_the_loop_is_reported_as_on_the_handler_path(monkeypatch):
+    """An observation no particle can explain (every weight zero) at a step the compiled loop
+    would take stops the loop; the run is rewound to where the loop started, replays step by step
+    and the handler path raises the uncompiled run's error, naming the same step."""
+    looped = []
+    monkeypatch.setattr(engine_module, "run_replayed", lambda *a: looped.append(run_replayed(*a)) or looped[-1])
+    ys = _data()
+    ys[20] = 1e200  # (y - x)^2 overflows: log-density -inf for every particle
+    messages = []
+    for compile in (False, None):
+        torch.manual_seed(5)
+        with pytest.raises(SMCFailedError) as info:
+            SMC(AR(), num_particles=30, compile=compile).run(ys)
+        messages.append(str(info.value))
+    assert looped == [0] and "time step 20" in messages[0] and messages[0] == messages[1]
+    # The same run without the bad step: the loop takes every step after the verifying one.
+    torch.manual_seed(5)
+    fine = SMC(AR(), num_particles=30).run(_data())
+    assert looped == [0, T - 3] and fine._compiled.compiled_steps == T - 3
