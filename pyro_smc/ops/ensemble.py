@@ -190,21 +190,21 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         # Column sums of d loss / d log P, i.e. eps * d loss / d g (the row sums vanish).
         col = sqrt_a * sqrt_b * ((x_t * kt_g).sum(1) - kt_c)
         if ctx.exact:
-            alpha, beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, None, col / eps, ctx.tol)
+            # alpha = -K beta is not asked for: it comes out of the cost gradient's products.
+            beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, None, col / eps, ctx.tol, alpha=False)[1]
         else:
             # gradient="last_step": the potentials are held fixed (no adjoint solve), which is
             # exactly the gradient of one row update f = T_b(g) from the detached g, since the
             # row normalisation removes f. See docs/math/smc.md#gradient-modes.
-            alpha, beta = torch.zeros_like(c), torch.zeros_like(col)
-        grad_log_b = col - eps * sqrt_b * torch.bmm(alpha.unsqueeze(1), kernel).squeeze(1)
+            beta = torch.zeros_like(col)
         # d loss / d C = -(1/eps) d loss / d log P + K * (alpha_i sqrt(b_j) + sqrt(a) beta_j)
         #              = (sqrt(a) / eps) K * (eps beta_j - sqrt(b_j) (G_i . x_j - d_i)),
         # with d_i = c_i + eps alpha_i / sqrt(a). C_ij = ||x_i - x_j||^2 / delta^2, so
         # d loss / d x_k = (2 / delta^2) ((R_k + S_k) x_k - (H x)_k - (H^T x)_k) with R, S the
         # row and column sums of H = d loss / d C: all from H [x, 1] and H^T [x, 1].
-        d = c + eps * alpha / sqrt_a
         x1_t = torch.cat([x_t, torch.ones_like(x_t[:, :1])], 1)
-        h_x, ht_x = _cost_gradient_products(kernel, gs, x, d, sqrt_b, eps * beta, x1_t)
+        h_x, ht_x, kt_alpha = _cost_gradient_products(kernel, gs, x, c, sqrt_a, eps, sqrt_b, beta, x1_t)
+        grad_log_b = col - eps * sqrt_b * kt_alpha
         scale = sqrt_a / eps
         sums = (h_x[:, -1] + ht_x[:, -1]) * scale
         h_x = h_x[:, :-1] * scale
@@ -224,30 +224,46 @@ class _FusedEnsembleTransform(torch.autograd.Function):
 _LOW_RANK_MAX_WIDTH = 20
 
 
-def _cost_gradient_products(kernel: Tensor, gs: Tensor, x: Tensor, d: Tensor, sqrt_b: Tensor, eps_beta: Tensor, y_t: Tensor) -> tuple[Tensor, Tensor]:
-    r""":math:`(H y, H^\top y)` as rows ``(B, q, N)`` for ``y`` given as rows ``y_t`` ``(B, q, N)``, with
-    :math:`H = K \odot M` (elementwise; the factor :math:`\sqrt{a} / \epsilon` left to the caller) and
-    :math:`M_{ij} = \epsilon \beta_j + \sqrt{b_j} \, d_i - \sqrt{b_j} \, G_i \cdot x_j`.
+def _cost_gradient_products(
+    kernel: Tensor, gs: Tensor, x: Tensor, c: Tensor, sqrt_a: float, eps: float, sqrt_b: Tensor, beta: Tensor, y_t: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(H y, H^T y, K^T alpha)``: the first two as rows ``(B, q, N)`` for ``y`` given as rows
+    ``y_t`` ``(B, q, N)`` whose last row is ones, with :math:`H = K \odot M` (elementwise; the
+    factor :math:`\sqrt{a} / \epsilon` left to the caller) and
+    :math:`M_{ij} = \epsilon \beta_j + \sqrt{b_j} \, d_i - \sqrt{b_j} \, G_i \cdot x_j`,
+    :math:`d = c + \epsilon \alpha / \sqrt{a}` and :math:`\alpha = -K \beta` the adjoint's row part.
 
     ``M`` has rank ``D + 2``: :math:`M = \sum_r A_r B_r^\top` with :math:`A = [1, d, -G]` and
     :math:`B = [\epsilon \beta, \sqrt{b}, \sqrt{b} \, x]`, so :math:`H y = \sum_r A_r \odot K (B_r \odot y)` and
     :math:`H^\top y = \sum_r B_r \odot K^\top (A_r \odot y)`: two products of the kernel with ``(D + 2) q`` thin
-    columns and no ``(N, N)`` temporary. Small ``D`` only: the explicit ``H`` (an ``(N, N)``
-    allocation, whose pages fault in afresh on each call, and six passes over it) wins when
-    the columns outnumber ``_LOW_RANK_MAX_WIDTH``.
+    columns and no ``(N, N)`` temporary. They also carry :math:`\alpha` (the row of
+    :math:`K (\epsilon \beta \odot 1)`) and :math:`K^\top \alpha` (one row more), which took two products
+    of their own. Small ``D`` only: the explicit ``H`` (an ``(N, N)`` allocation, whose pages
+    fault in afresh on each call, and six passes over it) wins when the columns outnumber
+    ``_LOW_RANK_MAX_WIDTH``.
     """
     b, q, n = y_t.shape
-    a_t = torch.cat([torch.ones_like(d).unsqueeze(1), d.unsqueeze(1), -gs.transpose(1, 2)], 1)  # (B, R, N)
-    b_t = torch.cat([eps_beta.unsqueeze(1), sqrt_b.unsqueeze(1), sqrt_b.unsqueeze(1) * x.transpose(1, 2)], 1)
-    r = a_t.shape[1]
+    b_t = torch.cat([(eps * beta).unsqueeze(1), sqrt_b.unsqueeze(1), sqrt_b.unsqueeze(1) * x.transpose(1, 2)], 1)  # (B, R, N)
+    r = b_t.shape[1]
+
+    def left(k_beta: Tensor) -> Tensor:  # A = [1, d, -G] from K beta
+        d = c - k_beta / sqrt_a
+        return torch.cat([torch.ones_like(d).unsqueeze(1), d.unsqueeze(1), -gs.transpose(1, 2)], 1)
+
     if r * q > _LOW_RANK_MAX_WIDTH:
+        k_beta = torch.bmm(beta.unsqueeze(1), kernel.transpose(1, 2)).squeeze(1)
+        a_t = left(eps * k_beta)
         h = torch.bmm(a_t.transpose(1, 2), b_t).mul_(kernel)
-        return torch.bmm(y_t, h.transpose(1, 2)), torch.bmm(y_t, h)
+        kt_alpha = torch.bmm(k_beta.neg().unsqueeze(1), kernel).squeeze(1)
+        return torch.bmm(y_t, h.transpose(1, 2)), torch.bmm(y_t, h), kt_alpha
     k_by = torch.bmm((b_t.unsqueeze(2) * y_t.unsqueeze(1)).reshape(b, r * q, n), kernel.transpose(1, 2))
-    kt_ay = torch.bmm((a_t.unsqueeze(2) * y_t.unsqueeze(1)).reshape(b, r * q, n), kernel)
+    eps_k_beta = k_by[:, q - 1]  # B_0 = eps beta times the row of ones: K (eps beta) = -eps alpha
+    a_t = left(eps_k_beta)
+    rows = torch.cat([(a_t.unsqueeze(2) * y_t.unsqueeze(1)).reshape(b, r * q, n), eps_k_beta.unsqueeze(1)], 1)
+    kt_ay = torch.bmm(rows, kernel)
     h_y = (a_t.unsqueeze(2) * k_by.reshape(b, r, q, n)).sum(1)
-    ht_y = (b_t.unsqueeze(2) * kt_ay.reshape(b, r, q, n)).sum(1)
-    return h_y, ht_y
+    ht_y = (b_t.unsqueeze(2) * kt_ay[:, :-1].reshape(b, r, q, n)).sum(1)
+    return h_y, ht_y, kt_ay[:, -1] / -eps
 
 
 class EnsembleResult(NamedTuple):

@@ -89,7 +89,7 @@ class Finished:
 
 def potentials(w: Working, eps: float, rows: Tensor | slice = slice(None)) -> tuple[Tensor, Tensor]:
     """Potentials of the plan ``(u_exact, v)``: the last exact row update, so rows are exact."""
-    return (w.f[rows] + eps * torch.log(w.u_exact[rows])).squeeze(1), (w.g[rows] + eps * torch.log(w.v[rows])).squeeze(1)
+    return (w.f[rows] - eps * w.nlu_exact[rows]).squeeze(1), (w.g[rows] - eps * w.nlv[rows]).squeeze(1)
 
 
 def record(w: Working, out: Finished, rows: Tensor, at: Tensor | slice, eps: float) -> None:

@@ -121,7 +121,9 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
     return x.reshape(shape)
 
 
-def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Tensor | None, grad_g: Tensor, tol: float) -> tuple[Tensor, Tensor]:
+def implicit_adjoint(
+    kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Tensor | None, grad_g: Tensor, tol: float, alpha: bool = True
+) -> tuple[Tensor | None, Tensor]:
     r"""Adjoint variables of the Sinkhorn fixed point (the core of every implicit backward pass).
 
     With :math:`K_{ij} = P_{ij} / \sqrt{a_i b_j}` the adjoint system of the fixed-point equations reads
@@ -140,9 +142,12 @@ def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Ten
         grad_f, grad_g: incoming gradients with respect to the potentials, ``(..., N)`` and
             ``(..., M)``; ``grad_f=None`` stands for zero (one product with ``K`` less).
         tol: relative residual tolerance of the linear solve.
+        alpha: whether to form ``alpha`` (one product with ``K``); ``None`` stands for it when
+            not (callers that multiply ``K`` by ``beta`` anyway read it off their product).
 
     Returns:
-        ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)``. A relative residual above
+        ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)`` (``alpha`` ``None`` unless asked
+        for). A relative residual above
         ``1e-2`` is warned about (``SinkhornConvergenceWarning``).
 
     Example:
@@ -170,10 +175,10 @@ def implicit_adjoint(kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Ten
     r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
     if grad_f is None:  # a zero right-hand side in f (the ensemble transform's): one product less
         beta = _adjoint_solve(kernel, sqrt_b, r_g, tol)
-        return -rowsum(kernel, beta), beta
+        return (-rowsum(kernel, beta) if alpha else None), beta
     r_f = grad_f / sqrt_a
     beta = _adjoint_solve(kernel, sqrt_b, r_g - colsum(kernel, r_f), tol)
-    return r_f - rowsum(kernel, beta), beta
+    return (r_f - rowsum(kernel, beta) if alpha else None), beta
 
 
 class _ImplicitSinkhorn(torch.autograd.Function):

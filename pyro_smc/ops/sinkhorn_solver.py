@@ -10,7 +10,8 @@ algorithm and its gradients), cut into the stages of one solve:
 2. ``_start``: the log-stabilised kernel at the final epsilon, with the zero-mass masks
    and the log-domain fallback when a row or column of the kernel underflows;
 3. ``_iteration``: one over-relaxed column-then-row update of the scalings;
-4. ``_needs_absorption`` / ``_absorb``: the log-domain fallback when scalings overflow;
+4. ``_read``, ``_too_big`` / ``_absorb``: one host read of the errors per iteration, and the
+   log-domain fallback when scalings overflow;
 5. ``_check_convergence``: the per-problem stopping rule;
 6. ``compact`` / ``freeze`` / ``finish`` (:mod:`pyro_smc.ops.sinkhorn_finish`): finished
    problems leave the working set; potentials and the factored plan are read off the scalings.
@@ -37,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,14 +130,6 @@ def _anneal(cost: Tensor, log_a: Tensor, log_b: Tensor, epsilon: float, scaling:
     return f, g, bool(schedule)
 
 
-def _relaxed(previous: Tensor, exact: Tensor, omega: Tensor) -> Tensor:
-    """The over-relaxed scaling ``previous^(1 - omega) * exact^omega`` (a step of ``omega`` in log
-    space), written as ``previous * exp(omega * log(exact / previous))``: one ``log`` and one
-    ``exp`` instead of two ``pow``, which cost five times an ``exp`` each (19 against 55 us per
-    update at 32 x 100, float32, one thread)."""
-    return previous * torch.exp(omega * torch.log(exact / previous))
-
-
 # The loop works on row vectors (B, 1, N) so that each product with the kernel is one bmm:
 # ``x @ K`` on (B, N) vectors adds an unsqueeze, a squeeze and matmul's dispatch, about 12 us
 # of the 47 us of one product at 32 x 100 x 100 (float32, one thread).
@@ -149,24 +143,25 @@ def _rows(kernel: Tensor, v: Tensor) -> Tensor:
     return torch.bmm(v, kernel.transpose(1, 2))
 
 
-def _reciprocal(sums: Tensor, pin: Tensor | None) -> Tensor:
-    """``1 / sums`` with the scalings of zero-mass points pinned to 1: their kernel rows/columns
-    are zero, so ``pin`` (1.0 there, 0.0 elsewhere) is added to the sums: one op instead of a
-    ``where``. The mask goes on the input, not the output: ``where(pinned, 1, 1 / sums)`` would
-    still send a zero gradient into ``1 / 0``, and ``0 * inf`` made every unrolled gradient NaN
-    as soon as one particle's weight underflowed. ``torch.reciprocal``, not ``1 / sums``: the
-    reflected division is a reciprocal and a product (2.2 against 7.9 us at 32 x 100, one
-    thread)."""
-    return torch.reciprocal(sums if pin is None else sums + pin)
+def _pinned(sums: Tensor, pin: Tensor | None) -> Tensor:
+    """``sums`` with 1.0 added at zero-mass points (``pin``; ``None`` when there are none): their
+    kernel rows/columns are zero, so their scalings ``1 / sums`` are pinned to 1 and their
+    log-scalings to 0. The mask goes on the input, not the output: ``where(pinned, 1, 1 / sums)``
+    would still send a zero gradient into ``1 / 0``, and ``0 * inf`` made every unrolled gradient
+    NaN as soon as one particle's weight underflowed."""
+    return sums if pin is None else sums + pin
 
 
 @dataclass
 class _Working:
     r"""The kernel-domain loop's working set: problems still iterating, flattened to ``(B, .)``.
 
-    The plan is :math:`\operatorname{diag}(a u) \, K \operatorname{diag}(b v)` with the kernel :math:`K = \exp((f + g - C) / \epsilon)`. Vectors
-    are rows ``(B, 1, N)``; ``a``, ``b`` are zero at zero-mass points, and the pins (``None``
-    when no point of the batch has zero mass) are 1.0 there.
+    The plan is :math:`\operatorname{diag}(a u) \, K \operatorname{diag}(b v)` with the kernel
+    :math:`K = \exp((f + g - C) / \epsilon)`. The scalings are held by their negated logs
+    ``nlu = -log u``, ``nlv = -log v`` (one ``log`` per update instead of a reciprocal, and the
+    over-relaxed step is then one ``lerp``), and ``au = a u`` for the next column update.
+    Vectors are rows ``(B, 1, N)``; ``a``, ``b`` are zero at zero-mass points, and the pins
+    (``None`` when no point of the batch has zero mass) are 1.0 there.
     """
 
     cost: Tensor
@@ -181,17 +176,29 @@ class _Working:
     kernel: Tensor
     f: Tensor
     g: Tensor
-    u: Tensor
-    v: Tensor
-    u_exact: Tensor  # the exact row scaling of the last update (u itself may be over-relaxed)
-    u_prev: Tensor | None = None
-    v_prev: Tensor | None = None
+    nlu: Tensor
+    nlv: Tensor
+    nlu_exact: Tensor  # -log of the exact row scaling of the last update (nlu may be over-relaxed)
+    au: Tensor
+    nlu_prev: Tensor | None = None
+    nlv_prev: Tensor | None = None
     omega: Tensor | None = None
     err_prev: Tensor | None = None
 
+    @property
+    def u_exact(self) -> Tensor:
+        """The exact row scaling of the last update, ``(B, 1, N)``."""
+        return torch.exp(-self.nlu_exact)
+
+    @property
+    def v(self) -> Tensor:
+        """The column scaling, ``(B, 1, M)``."""
+        return torch.exp(-self.nlv)
+
     def select(self, keep: Tensor) -> None:
         """Keeps the problems ``keep`` (indices into the working set)."""
-        for name in ("cost", "log_a", "log_b", "a", "b", "a_zero", "b_zero", "pin_a", "pin_b", "kernel", "f", "g", "u", "v", "u_exact", "omega", "err_prev"):
+        names = ("cost", "log_a", "log_b", "a", "b", "a_zero", "b_zero", "pin_a", "pin_b", "kernel", "f", "g")
+        for name in names + ("nlu", "nlv", "nlu_exact", "au", "omega", "err_prev"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, keep))
@@ -211,20 +218,21 @@ def _start(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, ann
     a_zero, b_zero = (a_zero if any_a else None), (b_zero if any_b else None)
     a = log_a.exp() if a_zero is None else log_a.exp().masked_fill_(a_zero, 0.0)
     b = log_b.exp() if b_zero is None else log_b.exp().masked_fill_(b_zero, 0.0)
+    a, b = a.unsqueeze(1), b.unsqueeze(1)
     pin_a = None if a_zero is None else a_zero.to(cost.dtype).unsqueeze(1)
     pin_b = None if b_zero is None else b_zero.to(cost.dtype).unsqueeze(1)
-    a, b = a.unsqueeze(1), b.unsqueeze(1)
     # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
     kernel = log_kernel(cost, f, g, eps).exp_() if annealed else torch.mul(cost, -1.0 / eps).exp_()
     kernel = mask_kernel(kernel, a_zero, b_zero)
-    u = _reciprocal(_rows(kernel, b), pin_a)
-    # Row sums above the smallest normal number, and finite: 0 < u < 1 / tiny (NaN fails both).
-    low, high = torch.aminmax(u.detach())
-    low, high = float(low), float(high)
-    if not (low > 0 and high < 1 / torch.finfo(cost.dtype).tiny):
+    sums = _pinned(_rows(kernel, b), pin_a)
+    # Row sums above the smallest normal number, and finite (NaN fails both).
+    low, high = torch.stack(torch.aminmax(sums.detach())).tolist()
+    if low > torch.finfo(cost.dtype).tiny and high < math.inf:
+        nlu = torch.log(sums)
+    else:
         f, g, kernel = log_domain_update(cost, f, g, log_a, log_b, eps, a_zero, b_zero)
-        u = torch.ones_like(a)
-    return _Working(cost, log_a, log_b, a, b, a_zero, b_zero, pin_a, pin_b, kernel, f.unsqueeze(1), g.unsqueeze(1), u, torch.ones_like(b), u)
+        nlu = torch.zeros_like(a)
+    return _Working(cost, log_a, log_b, a, b, a_zero, b_zero, pin_a, pin_b, kernel, f.unsqueeze(1), g.unsqueeze(1), nlu, torch.zeros_like(b), nlu, a * torch.exp(-nlu))
 
 
 def _iteration(w: _Working, iters: int) -> Tensor:
@@ -233,64 +241,90 @@ def _iteration(w: _Working, iters: int) -> Tensor:
     After ``_PLAIN_ITERS`` plain iterations each problem's contraction rate sets its relaxation
     factor. Returns the L1 row-marginal error of ``(u_prev, v)``, shape ``(B, 1)``: the plan's
     error before this iteration's row update.
+
+    In negated logs the over-relaxed scaling ``previous^(1 - omega) * exact^omega`` is
+    ``lerp(previous, exact, omega)``: with ``nlv = log(K^T a u)`` an update is one ``log``,
+    one ``lerp`` and ``b v = b * exp(-nlv)`` (it was a reciprocal, a ``log``, an ``exp``, a
+    division and three products). ``b * exp(-nlv)``, not ``exp(log b - nlv)``: an ``exp`` whose
+    result underflows takes a slow path on CPU (8x for float32 results below 1e-38), while
+    products that underflow are flushed for free.
     """
-    w.u_prev, w.v_prev = w.u, w.v
-    au = w.a * w.u
-    v = _reciprocal(_cols(w.kernel, au), w.pin_b)
-    if w.omega is not None:
-        v = _relaxed(w.v_prev, v, w.omega)
-    kv = _rows(w.kernel, w.b * v)
-    err = (au * kv - w.a).abs().sum(-1)
-    w.u_exact = _reciprocal(kv, w.pin_a)
+    w.nlu_prev, w.nlv_prev = w.nlu, w.nlv
+    au = w.au
+    exact = torch.log(_pinned(_cols(w.kernel, au), w.pin_b))
+    nlv = exact if w.omega is None else torch.lerp(w.nlv_prev, exact, w.omega)
+    kv = _rows(w.kernel, w.b * torch.exp(-nlv))
+    err = torch.addcmul(w.a, au, kv, value=-1).abs().sum(-1)
+    w.nlu_exact = torch.log(_pinned(kv, w.pin_a))
     if iters == _PLAIN_ITERS and _MAX_OMEGA > 1:
         w.omega = _relaxation(err.detach() / w.err_prev.detach())
     w.err_prev = err
-    w.u = w.u_exact if w.omega is None else _relaxed(w.u_prev, w.u_exact, w.omega)
-    w.v = v
+    w.nlu = w.nlu_exact if w.omega is None else torch.lerp(w.nlu_prev, w.nlu_exact, w.omega)
+    w.au = w.a * torch.exp(-w.nlu)
+    w.nlv = nlv
     return err
 
 
-def _needs_absorption(w: _Working, err: Tensor, iters: int) -> tuple[bool, bool]:
-    """``(overflow, absorb)``: whether the last update overflowed, and whether the scalings must
-    be absorbed into the potentials (on overflow, or every tenth iteration once they pass
-    ``_BIG``). ``err`` stays finite when ``K v`` underflows, so ``u`` is checked too; both in
-    one sum and one read (a non-finite term makes it non-finite; a sum that overflows from
-    finite terms only costs an early absorption)."""
-    overflow = not math.isfinite(float((err.detach().sum() + w.u.detach().sum())))
-    return overflow, overflow or (iters % 10 == 0 and float(torch.maximum(w.u.detach().abs().max(), w.v.detach().abs().max())) > _BIG)
+def _read(w: _Working, err: Tensor) -> tuple[list[float], bool]:
+    """The per-problem errors as floats and whether the last update overflowed, in one host read.
+
+    ``err`` stays finite when ``K v`` underflows, so ``a u`` is checked too: both in one sum (a
+    non-finite term makes it non-finite; a sum that overflows from finite terms only costs an
+    early absorption)."""
+    values = torch.cat((err.detach().reshape(-1), w.au.detach().sum().reshape(1))).tolist()
+    errors = values[:-1]
+    return errors, not math.isfinite(sum(errors) + values[-1])
+
+
+def _too_big(w: _Working) -> bool:
+    """Whether a scaling has passed ``_BIG`` (its negated log below ``-log(_BIG)``)."""
+    return float(torch.minimum(w.nlu.detach().min(), w.nlv.detach().min())) < -math.log(_BIG)
 
 
 def _absorb(w: _Working, eps: float, overflow: bool) -> None:
     """The log-domain fallback: absorbs the last finite scalings into the potentials and takes
     one exact log-domain column and row update; the kernel is O(1) again afterwards."""
     if overflow:
-        w.u, w.v = w.u_prev, w.v_prev
-    f, g = (w.f + eps * torch.log(w.u)).squeeze(1), (w.g + eps * torch.log(w.v)).squeeze(1)
+        w.nlu, w.nlv = w.nlu_prev, w.nlv_prev
+    f, g = (w.f - eps * w.nlu).squeeze(1), (w.g - eps * w.nlv).squeeze(1)
     f, g, w.kernel = log_domain_update(w.cost, f, g, w.log_a, w.log_b, eps, w.a_zero, w.b_zero)
     w.f, w.g = f.unsqueeze(1), g.unsqueeze(1)
-    w.u, w.v = torch.ones_like(w.u), torch.ones_like(w.v)
-    w.u_exact = w.u
+    w.nlu, w.nlv = torch.zeros_like(w.nlu), torch.zeros_like(w.nlv)
+    w.nlu_exact, w.au = w.nlu, w.a
 
 
-def _check_convergence(w: _Working, err: Tensor, threshold: float, live: Tensor | None) -> tuple[Tensor, Tensor, int]:
-    """The stopping rule: ``(done, error, num_done)``, ``done`` and ``error`` ``(B,)``, ``error``
-    detached; ``done`` only among the ``live`` problems (all when ``None``).
+def _check_convergence(
+    w: _Working, errors: list[float], threshold: float, live: list[bool] | None, acts: Callable[[int], bool]
+) -> tuple[list[bool], list[float], int]:
+    """The stopping rule: ``(done, error, num_done)`` per problem, as host lists; ``done`` only
+    among the ``live`` problems (all when ``None``).
 
     A problem is done when its row error ``err`` is below ``threshold``. Once over-relaxed,
     ``v`` is not the exact column update, so the returned pair ``(u_exact, v)`` can miss the
     column marginal by far more than ``err`` says: its column error is checked too, and
-    ``error`` is the larger of the two.
+    ``error`` is the larger of the two. That costs one more product with the kernel, so it is
+    only taken when the loop ``acts`` on the verdicts of ``num_done`` row-converged problems
+    (stops, or freezes them, or has reached ``max_iter``): column checks can only lower the
+    count, so the loop takes the same path as with a check on every iteration, with about
+    three products with the kernel fewer per solve at 32 x 100.
     """
-    done, error = (err < threshold).squeeze(-1), err.detach().squeeze(-1)
+    done = [e < threshold for e in errors]
     if live is not None:
-        done &= live
-    num_done = int(done.sum())
-    if w.omega is not None and num_done:
-        col_err = (w.v * _cols(w.kernel, w.a * w.u_exact) * w.b - w.b).abs().sum(-1).squeeze(-1)
-        done &= col_err < threshold
-        error = torch.maximum(error, col_err.detach())
-        num_done = int(done.sum())
-    return done, error, num_done
+        done = [d and alive for d, alive in zip(done, live)]
+    num_done = sum(done)
+    if w.omega is not None and num_done and acts(num_done):
+        bv = w.b * torch.exp(-w.nlv)
+        col = torch.addcmul(w.b, bv, _cols(w.kernel, w.a * torch.exp(-w.nlu_exact)), value=-1).abs().sum(-1)
+        col_errors = col.detach().reshape(-1).tolist()
+        done = [d and c < threshold for d, c in zip(done, col_errors)]
+        errors = [max(e, c) if c == c else c for e, c in zip(errors, col_errors)]
+        num_done = sum(done)
+    return done, errors, num_done
+
+
+def _tensor(values: list, dtype: torch.dtype, like: Tensor) -> Tensor:
+    """A host list as a tensor on ``like``'s device."""
+    return torch.tensor(values, dtype=dtype, device=like.device)
 
 
 def forward_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings, stacklevel: int = 3) -> SinkhornResult:
@@ -365,32 +399,38 @@ def solve_with_plan(
     leave = not torch.is_grad_enabled()
     drop = cost.numel() >= _COMPACT_MIN_SIZE
     out: Finished | None = None
-    done: Tensor | None = None  # None: the last iteration ended in an absorption
+    # Per-problem verdicts and errors travel as host lists: one read per iteration (_read)
+    # instead of a reduction, a comparison and a read for each question asked of them.
+    done: list[bool] | None = None  # None: the last iteration ended in an absorption
+    live: list[bool] | None = None  # with masks: the problems not yet frozen
     num_live = cost.shape[0]
     iters = 0
     while iters < max_iter:
         iters += 1
         err = _iteration(w, iters)
-        overflow, absorb = _needs_absorption(w, err, iters)
-        if absorb:
+        error, overflow = _read(w, err)
+        if overflow or (iters % 10 == 0 and _too_big(w)):
             _absorb(w, epsilon, overflow)
-            done, error = None, err.detach().squeeze(-1)
+            done = None
             continue
-        done, error, num_done = _check_convergence(w, err, threshold, None if out is None else out.live)
+        done, error, num_done = _check_convergence(
+            w, error, threshold, live, lambda k, n=num_live, i=iters: k == n or (leave and 2 * k >= n) or i == max_iter
+        )
         if num_done == num_live:
             break
         if leave and 2 * num_done >= num_live:
             num_live -= num_done
+            flags, errors = _tensor(done, torch.bool, err), _tensor(error, err.dtype, err)
             if drop:
-                out = compact(w, out, done, error, iters, epsilon, keep_plan)
-                keep = ~done
-                done, error = done[keep], error[keep]
+                out = compact(w, out, flags, errors, iters, epsilon, keep_plan)
+                done, error = [d for d in done if not d], [e for d, e in zip(done, error) if not d]
             else:
-                out = freeze(w, out, done, error, iters, epsilon, keep_plan)
+                out = freeze(w, out, flags, errors, iters, epsilon, keep_plan)
+                live = [not d for d in done] if live is None else [lv and not d for lv, d in zip(live, done)]
     else:
-        warn_unconverged(err if out is None or out.live is None else err[out.live], threshold, max_iter, stacklevel)
-    if done is None:
-        done = torch.zeros(error.shape, dtype=torch.bool, device=error.device)
+        warn_unconverged(err if live is None else err[_tensor(live, torch.bool, err)], threshold, max_iter, stacklevel)
+    done = _tensor([False] * len(error) if done is None else done, torch.bool, err)
+    error = _tensor(error, err.dtype, err)
     result, plan = finish(w, out, done, error, iters, epsilon, keep_plan)
     f, g = result.f, result.g
     if pinned:
