@@ -122,19 +122,23 @@ def _moments(kind: tuple, fn, m: Tensor, P: Tensor, t: int, noise: Tensor) -> tu
         chol, info = torch.linalg.cholesky_ex(P)
         mu, S, C = unscented_transform(lambda x: fn(x, t), m, chol, weights, noise)
         return mu, S, C, info
-    mu, J = _value_and_jacobian(fn, m, t) if isinstance(weights, str) else _value_and_jacobian_no_grad(fn, m, t, weights)
+    mu, J = _value_and_jacobian(fn, m, t) if isinstance(weights, str) else _value_and_jacobian_no_grad(fn, m, t, *weights)
     return mu, symmetrize(J @ P @ J.transpose(-1, -2) + noise), P @ J.transpose(-1, -2), None
 
 
-def _value_and_jacobian_no_grad(fn, m: Tensor, t: int, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+def _value_and_jacobian_no_grad(fn, m: Tensor, t: int, shape: tuple[int, int], seed: Tensor) -> tuple[Tensor, Tensor]:
     # The recorded linearisation (nothing requires grad there): f(m) is the first of the e copies
-    # m + z_i that give J, not one more call of f, and the copies' shape (e, d) is fixed, not
-    # read from tensors (which a trace records as ops). ~20 fewer ops per map and step.
+    # of m that give J, not one more call of f, and the copies' shape (e, d) is fixed, not read
+    # from tensors (which a trace records as ops). The copies are a view of m, and the backward
+    # pass's seed is a constant made outside the trace: the ops that turn it into the identity
+    # seed of the copies then have constant inputs only, and _simplify folds them into
+    # constants (with the backward ops of the map's linear parts), leaving the forward ``sum``
+    # and ``diagonal`` dead. Same values as the copies m + 0 and a seed ``ones_like``.
     with torch.enable_grad():
-        z = m.new_zeros(shape).requires_grad_()
-        copies = fn(m + z, t)
+        copies_in = m.expand(shape).requires_grad_()
+        copies = fn(copies_in, t)
         total = copies.diagonal().sum()
-        (J,) = torch.autograd.grad(total, z, grad_outputs=torch.ones_like(total))
+        (J,) = torch.autograd.grad(total, copies_in, grad_outputs=seed)
     return copies[0], J
 
 
@@ -181,9 +185,13 @@ class LeanFilter:
         )
         self.ssm, self.f, self.g = ssm, ssm.transition_fn, ssm.observation_fn
         self._eager_kinds = self.kinds
-        # Linearisation's kinds when the step is recorded (no gradient): the copies' shapes.
+        # Linearisation's kinds when the step is recorded (no gradient): the copies' shapes and
+        # the backward pass's seed, built here so that the trace sees it as a constant.
         d, e = like.shape[-1], ssm.obs_dim
-        self._recorded_kinds = tuple((name, (size, d)) if name == "linearization" else (name, w) for (name, w), size in zip(self.kinds, (d, e)))
+        seed = torch.ones((), dtype=like.dtype, device=like.device)
+        self._recorded_kinds = tuple(
+            (name, ((size, d), seed)) if name == "linearization" else (name, w) for (name, w), size in zip(self.kinds, (d, e))
+        )
 
     @classmethod
     def of(cls, ssm, projection: Projection) -> LeanFilter | None:
@@ -207,9 +215,11 @@ class LeanFilter:
 
     def step(self, m: Tensor, P: Tensor, y: Tensor, Q: Tensor, R: Tensor, t: int = 1) -> tuple[Tensor, ...]:
         """Predict and measure: ``(m, P, M, S, C, residual, chol, info)``."""
-        M, S, C, info = self.predict(m, P, Q, t)
+        # A linearised prediction has no factorisation: the measurement's info alone (two ops
+        # fewer per step than adding a zero).
+        M, S, C, info = _moments(self.kinds[0], self.f, m, P, t - 1, Q)
         m, P, residual, chol, measured = self.measure(M, S, y, R, t)
-        return m, P, M, S, C, residual, chol, info + measured
+        return m, P, M, S, C, residual, chol, _total(info, measured)
 
     def run(self, ys: Tensor, observed: Tensor | None = None, status: list | None = None) -> ForwardRun:
         """The forward pass over ``ys`` ``(T, e)`` (``observed``: its non-NaN mask; ``status``:
@@ -280,6 +290,8 @@ class LeanFilter:
                 warnings.simplefilter("always")
                 full = torch.jit.trace(self.step, (m, P, y, Q, R), check_trace=False)
                 predict = torch.jit.trace(self.predict, (m, P, Q), check_trace=False)
+                _simplify(full.graph)
+                _simplify(predict.graph)
                 loop = _script_loop(full, predict)
         except Exception as error:  # a tensor requiring grad frozen as a constant, an op TorchScript lacks, ...
             first = next((line for line in str(error).splitlines() if line.strip()), "")
@@ -295,10 +307,26 @@ class LeanFilter:
             return None, "the recorded step differs from the eager step"
 
         def replay(m: Tensor, P: Tensor, ys: Tensor, Q: Tensor, R: Tensor, status: list, start: int):
-            with torch.jit.optimized_execution(False):  # the plain interpreter: no profiling runs
-                return loop(m, P, ys, Q, R, status, start)
+            # Without a gradient to record, the replay runs in inference mode: each op skips
+            # autograd's dispatch (~20% of a step on a small state); its outputs are cloned out of
+            # it, so that they are ordinary tensors (which autograd may save later).
+            inference = not (torch.is_grad_enabled() and any(x.requires_grad for x in (m, P, ys, Q, R)))
+            with torch.jit.optimized_execution(False), torch.inference_mode(inference):  # the plain interpreter: no profiling runs
+                stacked = loop(m, P, ys, Q, R, status, start)
+            return [x.clone() for x in stacked] if inference else stacked
 
         return replay, None
+
+
+def _simplify(graph: torch.Graph) -> None:
+    # Folds the ops whose inputs are all constants (the recorded linearisation's seed and the
+    # backward ops of a map's linear parts: ~15 of its ~50 ops on the pendulum), merges repeated
+    # ops (``J^T``) and drops dead ones. Each op left computes what it computed, on the same
+    # inputs: the same bits; the record is checked against the eager step after this anyway.
+    for name in ("_jit_pass_constant_propagation", "_jit_pass_cse", "_jit_pass_dce"):
+        run = getattr(torch._C, name, None)  # TorchScript's own passes; skipped where a build lacks one
+        if run is not None:
+            run(graph)
 
 
 def _script_loop(full, predict):

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from pyro_smc.infer import extended_rts_smoother, gaussian_smoother, unscented_kalman_filter, unscented_rts_smoother
-from pyro_smc.infer.gaussian.recorded import RECORD_MIN_STEPS, recording
+from pyro_smc.infer import Linearization, Unscented
+from pyro_smc.infer.gaussian.observed import observation_status
+from pyro_smc.infer.gaussian.recorded import RECORD_MIN_STEPS, LeanFilter, recording
 from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM, time_dependent
 
 T = RECORD_MIN_STEPS + 22  # long enough to be recorded, with room for missing steps
@@ -137,6 +139,35 @@ def test_gradients_through_the_recorded_smoother_are_the_eager_ones_and_pass_gra
     assert all(torch.equal(a, b) for a, b in zip(fast, eager))
     assert torch.autograd.gradcheck(loss, (scale, shift))
 
+
+
+@pytest.mark.parametrize("projection", [Unscented(), Linearization()])
+def test_a_replay_without_a_gradient_hands_back_ordinary_tensors(projection, path):
+    # The replay runs in inference mode when nothing is differentiated: none of its tensors may
+    # leave it as inference tensors (autograd refuses to save those). With y_0 and y_1 missing,
+    # the residuals and factors of the run are the replay's alone, not concatenated to eager ones.
+    ssm = pendulum()
+    ys = data(ssm)
+    ys[:2] = math.nan
+    run = LeanFilter.of(ssm, projection).run(ys, ~torch.isnan(ys), observation_status(ys))
+    assert path.last == "recorded"
+    tensors = [run.means, run.covariances, run.info, *run.predictions, *run.full[1:]]
+    assert len(run.full[0]) == T - 2 and not any(x.is_inference() for x in tensors)
+    with recording(False):
+        eager = LeanFilter.of(ssm, projection).run(ys, ~torch.isnan(ys), observation_status(ys))
+    close = torch.equal if isinstance(projection, Unscented) else lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert all(close(a, b) for a, b in zip(tensors, [eager.means, eager.covariances, eager.info, *eager.predictions, *eager.full[1:]]))
+
+
+@pytest.mark.parametrize("engine", [unscented_rts_smoother, extended_rts_smoother])
+def test_a_replay_under_no_grad_of_a_model_with_parameters_is_the_eager_pass(engine):
+    # Parameters that require grad, under no_grad: recorded, and replayed in inference mode.
+    ssm, ys = pendulum(scale=torch.tensor(1.3, dtype=torch.float64, requires_grad=True)), data(pendulum())
+    with torch.no_grad():
+        fast, eager = both_paths(engine, ssm, ys)
+    assert torch.allclose(fast.means, eager.means, rtol=1e-13, atol=1e-13)
+    assert torch.allclose(fast.covariances, eager.covariances, rtol=1e-12, atol=1e-15)
+    assert not fast.means.requires_grad
 
 def test_a_map_reading_a_parameter_that_requires_grad_runs_eagerly_with_its_gradient(path):
     ys = data(pendulum())
