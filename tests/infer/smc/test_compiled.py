@@ -2,6 +2,7 @@
 the same particles, log-evidence and gradients to rounding, and a fallback wherever a recording
 would not be valid."""
 
+import contextlib
 import math
 
 import pyro
@@ -14,7 +15,7 @@ from pyro_smc import SMC
 from pyro_smc.infer.smc.importance import SMCFailedError
 from pyro_smc.infer.smc.compiled import CompileFallbackWarning
 from pyro_smc.ops.resample import resample_where
-from pyro_smc.infer.smc import advance, replay
+from pyro_smc.infer.smc import advance, replay, replay_loop
 from pyro_smc.infer.smc import engine as engine_module
 from pyro_smc.infer.smc.replay_loop import run_replayed
 from pyro_smc.resamplers import MultinomialResampler, OTResampler, StratifiedResampler, SystematicResampler
@@ -145,6 +146,35 @@ def test_replayed_steps_resample_as_the_handler_path(resampler, num_filters, num
     for key in plain.state:
         assert fast.state[key].dtype == plain.state[key].dtype and torch.equal(fast.state[key], plain.state[key])
     assert torch.equal(fast.log_weights, plain.log_weights)
+
+
+@pytest.mark.parametrize("no_grad", [False, True], ids=["nothing-requires-grad", "no_grad"])
+def test_the_loop_without_a_gradient_runs_in_inference_mode_and_hands_back_ordinary_tensors(no_grad, monkeypatch):
+    """With nothing to differentiate the compiled loop runs in inference mode: the same numbers
+    as the handler path, and nothing it hands back is an inference tensor, so later steps under
+    autograd (a parameter that requires grad from then on) can save them."""
+    looped, cloned = [], []
+    monkeypatch.setattr(engine_module, "run_replayed", lambda *a: looped.append(run_replayed(*a)) or looped[-1])
+    monkeypatch.setattr(replay_loop, "_cloned", lambda value, clone=replay_loop._cloned: cloned.append(1) or clone(value))
+    theta = torch.tensor(0.7)  # a plain tensor: no parameter in the param store to require grad
+    context = torch.no_grad if no_grad else contextlib.nullcontext
+    runs = []
+    for compile in (False, None):
+        torch.manual_seed(3)
+        smc = SMC(PlainAR(theta), compile=compile, num_particles=50)
+        with context():
+            smc.run(_data())
+        runs.append(smc)
+    plain, fast = runs
+    assert looped == [T - 3] and cloned  # the loop ran, in inference mode
+    _assert_same(fast, plain)
+    tensors = [fast.log_evidence, fast.log_weights, *fast.state.values(), *fast.filtering_means.values()]
+    assert not any(x.is_inference() for x in tensors)
+    # Continued under autograd: the state enters the graph of a parameter that requires grad.
+    smc.model.theta = torch.tensor(0.7, requires_grad=True)
+    smc.step(torch.tensor(0.3))
+    (grad,) = torch.autograd.grad(smc.log_evidence.sum(), smc.model.theta)
+    assert torch.isfinite(grad) and grad != 0
 
 
 class PlainAR:
