@@ -227,7 +227,7 @@ _LOW_RANK_MAX_WIDTH = 20
 def _cost_gradient_products(
     kernel: Tensor, gs: Tensor, x: Tensor, c: Tensor, sqrt_a: float, eps: float, sqrt_b: Tensor, beta: Tensor, y_t: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    r"""``(H y, H^T y, K^T alpha)``: the first two as rows ``(B, q, N)`` for ``y`` given as rows
+    r""":math:`(H y, H^\top y, K^\top \alpha)`: the first two as rows ``(B, q, N)`` for ``y`` given as rows
     ``y_t`` ``(B, q, N)`` whose last row is ones, with :math:`H = K \odot M` (elementwise; the
     factor :math:`\sqrt{a} / \epsilon` left to the caller) and
     :math:`M_{ij} = \epsilon \beta_j + \sqrt{b_j} \, d_i - \sqrt{b_j} \, G_i \cdot x_j`,

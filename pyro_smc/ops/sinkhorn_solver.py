@@ -236,14 +236,14 @@ def _start(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, ann
 
 
 def _iteration(w: _Working, iters: int) -> Tensor:
-    """One column-then-row update of the scalings (over-relaxed once ``omega`` is known).
+    r"""One column-then-row update of the scalings (over-relaxed once ``omega`` is known).
 
     After ``_PLAIN_ITERS`` plain iterations each problem's contraction rate sets its relaxation
     factor. Returns the L1 row-marginal error of ``(u_prev, v)``, shape ``(B, 1)``: the plan's
     error before this iteration's row update.
 
     In negated logs the over-relaxed scaling ``previous^(1 - omega) * exact^omega`` is
-    ``lerp(previous, exact, omega)``: with ``nlv = log(K^T a u)`` an update is one ``log``,
+    ``lerp(previous, exact, omega)``: with :math:`\mathrm{nlv} = \log(K^\top a u)` an update is one ``log``,
     one ``lerp`` and ``b v = b * exp(-nlv)`` (it was a reciprocal, a ``log``, an ``exp``, a
     division and three products). ``b * exp(-nlv)``, not ``exp(log b - nlv)``: an ``exp`` whose
     result underflows takes a slow path on CPU (8x for float32 results below 1e-38), while
