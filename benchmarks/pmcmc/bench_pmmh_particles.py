@@ -70,15 +70,13 @@ class AR1(PyroModule):
         pyro.sample("y", dist.Normal(state["x"], TAU), obs=y)
 
 
-def particles_pmmh(ys: np.ndarray, n: int, niter: int, seed: int):
+def particles_ar1():
+    """The model in ``particles``' terms (its first state the stationary one, as ours); imported
+    here, not at the top, so that the rest of the file runs without ``particles``."""
     import particles.distributions as pdist
-    from particles import mcmc
-    from particles import smc_samplers as ssp
     from particles import state_space_models as ssm
 
     class ParticlesAR1(ssm.StateSpaceModel):
-        """The same model in ``particles``' terms."""
-
         default_params = {"rho": RHO, "sigma": SIGMA}
 
         def PX0(self):
@@ -89,6 +87,16 @@ def particles_pmmh(ys: np.ndarray, n: int, niter: int, seed: int):
 
         def PY(self, t, xp, x):
             return pdist.Normal(loc=x, scale=TAU)
+
+    return ParticlesAR1
+
+
+def particles_pmmh(ys: np.ndarray, n: int, niter: int, seed: int):
+    import particles.distributions as pdist
+    from particles import mcmc
+    from particles import smc_samplers as ssp
+
+    ParticlesAR1 = particles_ar1()
 
     class Fixed(mcmc.PMMH):
         """``particles`` 0.4's PMMH writes the prior's log-density, a length-1 array, into a scalar
@@ -157,15 +165,18 @@ def exact_posterior(ys: torch.Tensor, size: int = 600) -> dict:
     return out
 
 
-def chain_stats(draws: dict, wall: float, accept: float, exact: dict) -> dict:
+def chain_stats(draws: dict, wall: float, accept: float, exact: dict, names=PARAMS) -> dict:
+    """ESS (``arviz.ess``, bulk), ESS per iteration and per second, and each posterior mean's and
+    sd's error against the exact ones, for the quantities ``names`` of one chain."""
     import arviz as az
 
     rec = {"wall_s": wall, "acceptance": accept}
-    for name in PARAMS:
+    for name in names:
         x = np.asarray(draws[name], dtype=float)
         ess = float(az.ess(x[None, :]))
         rec[name] = {
             "ess": ess,
+            "ess_per_iteration": ess / len(x),
             "ess_per_s": ess / wall,
             "mean": float(x.mean()),
             "sd": float(x.std(ddof=1)),

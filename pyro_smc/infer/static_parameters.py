@@ -177,6 +177,28 @@ class StaticParameters:
             values[site.name] = torch.stack(draws).reshape(sample_shape + draws[0].shape)
         return values
 
+    def initial(self, init_strategy) -> dict[str, Tensor]:
+        """A starting point for a chain: a Pyro initialisation strategy (``init_to_median``, ...,
+        from ``pyro.infer.autoguide.initialization``) applied to each prior in turn, as
+        unconstrained values (a prior may read the parameters before it).
+
+        Example:
+            >>> import torch, pyro.distributions as dist
+            >>> from pyro.infer.autoguide.initialization import init_to_mean
+            >>> from pyro.nn import PyroModule, PyroSample
+            >>> model = PyroModule()
+            >>> model.sigma = PyroSample(dist.LogNormal(0.0, 1.0))
+            >>> StaticParameters(model).initial(init_to_mean)  # log of the mean exp(1/2)
+            {'sigma': tensor(0.5000)}
+        """
+        values: dict[str, Tensor] = {}
+        for site in self._sites:
+            with self.fixed(values):
+                prior = self._prior(site)
+            message = {"type": "sample", "name": site.name, "fn": prior, "value": None, "is_observed": False, "infer": {}}
+            values[site.name] = init_strategy(message).detach()
+        return self.unconstrain(values)
+
     def log_prior(self, values: Mapping[str, Tensor]) -> Tensor:
         """The prior log-density of the parameters (constrained values).
 

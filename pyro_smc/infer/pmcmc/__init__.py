@@ -3,8 +3,9 @@
 
 One module per concept: ``pmmh`` (:class:`PMMH`, particle marginal Metropolis-Hastings with the
 ``SMC`` log-evidence), ``proposals`` (:class:`AdaptiveRandomWalk`, shared by both kernels),
-``csmc`` (:class:`ConditionalSMC`, the conditional sweep with ancestor sampling) and ``gibbs``
-(:class:`ParticleGibbs`).
+``csmc`` (:class:`ConditionalSMC`, the conditional sweep with ancestor sampling), ``paths``
+(:class:`~pyro_smc.infer.pmcmc.paths.PathReplay`, the model scored along a fixed path, centred
+and non-centred) and ``gibbs`` (:class:`ParticleGibbs`).
 """
 
 from pyro_smc.infer.pmcmc.csmc import ConditionalSMC, Trajectory, trajectory_log_density

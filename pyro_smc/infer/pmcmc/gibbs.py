@@ -16,21 +16,34 @@ iteration of :class:`ParticleGibbs` is a Gibbs sweep over the two blocks:
       \log \pi(z) = \log p(\theta) + \log |\det \partial\theta/\partial z|
                     + \log p_\theta(x_{0:T}, y_{0:T}),
 
-   the last term from one run of the model along the trajectory
-   (:func:`~pyro_smc.infer.pmcmc.csmc.trajectory_log_density`). The proposal is an
-   :class:`~pyro_smc.infer.pmcmc.proposals.AdaptiveRandomWalk`, adapted during warm-up only.
+   the last term from one run of the model along the trajectory (all steps as one batched run of
+   ``step`` where the model allows it, see :class:`~pyro_smc.infer.pmcmc.paths.PathReplay`: then
+   a step costs a few milliseconds whatever :math:`T`, and many steps per sweep are cheap);
+3. optionally ``noncentred_steps`` more Metropolis-Hastings steps on :math:`\theta` given the
+   path's standardised noise :math:`\varepsilon` (each ``Normal`` latent site written
+   :math:`\mathrm{loc}_\theta + \mathrm{scale}_\theta\,\varepsilon`), the path recomputed from
+   :math:`\varepsilon` at each proposal: the interweaving strategy of Yu and Meng (2011). When the
+   path pins a parameter down tightly (a noise scale :math:`\sigma` given a long path), the
+   centred step 2 moves it in tiny steps; the non-centred step moves :math:`\sigma` and the path
+   together and mixes far better (stochastic volatility, Kastner and Frühwirth-Schnatter 2014).
+   Each of its steps is one step-by-step run of the model, about half a sweep.
 
-Unlike PMMH no likelihood is estimated: both updates are exact given the other block, so the
-chain targets the posterior with any number of particles :math:`N \ge 2`; ancestor sampling keeps
-the trajectory moving with few particles (Lindsten, Jordan and Schön 2014).
+Each update leaves the joint posterior invariant, so the chain targets it with any number of
+particles :math:`N \ge 2`; ancestor sampling keeps the trajectory moving with few particles
+(Lindsten, Jordan and Schön 2014). Each parameter move has its own
+:class:`~pyro_smc.infer.pmcmc.proposals.AdaptiveRandomWalk`, adapted during warm-up only.
 
 **What the chain reports.** The kernel's sample dict holds :math:`z` under each parameter's site
 name (``transforms`` map it back, so ``MCMC.get_samples()`` gives :math:`\theta` on its support,
 as for NUTS) and, beside it, the trajectory as the state after each time step, stacked over
 time: ``get_samples()["x"]`` has shape ``(num_samples, T, *event)`` for a model whose ``step``
 writes ``state["x"]``, the layout of :meth:`SMC.smooth <pyro_smc.SMC.smooth>`.
-``trajectory_keys`` picks the keys (``()`` keeps none: long series make large samples), and
-:attr:`ParticleGibbs.trajectory` holds the latest trajectory with its latent sites by name.
+``trajectory_keys`` picks the keys (``()`` keeps none: long series make large samples, and
+``MCMC.diagnostics()``/``summary()`` report an ESS and R-hat per element of every reported
+site, as they do for any vector site), and :attr:`ParticleGibbs.trajectory` holds the latest
+trajectory with its latent sites by name. :meth:`ParticleGibbs.diagnostics` is compact: the
+acceptance rate of each parameter move and the path update rate (the mean over time steps of the
+fraction of sweeps that changed the state there, and its smallest value).
 
 Example:
     >>> import torch, pyro.distributions as dist
@@ -53,17 +66,21 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
+import pyro
 import torch
+from pyro.infer.autoguide.initialization import init_to_median
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from torch import Tensor
 
 from pyro_smc.checks import int_at_least
 from pyro_smc.infer.pmcmc.csmc import ConditionalSMC, Trajectory, _check_observations
+from pyro_smc.infer.pmcmc.paths import PathReplay
 from pyro_smc.infer.pmcmc.proposals import AdaptiveRandomWalk
 from pyro_smc.infer.static_parameters import StaticParameters
 
@@ -83,10 +100,17 @@ class ParticleGibbs(MCMCKernel):
             particle MCMC smoother).
         num_particles: ``N >= 2`` particles of the conditional SMC sweep.
         parameters: the names of the static parameters to infer (default: all).
-        num_mh_steps: Metropolis-Hastings steps on :math:`\theta` per sweep (each costs one run
-            of the model along the trajectory, about half a sweep).
-        proposal: the random walk on the flattened unconstrained parameters (default:
-            ``AdaptiveRandomWalk(D, target_accept=0.44 if D == 1 else 0.234)``).
+        num_mh_steps: centred Metropolis-Hastings steps on :math:`\theta` per sweep (each one run
+            of the model along the trajectory: one batched ``step`` run where the model allows
+            it, else about half a sweep).
+        noncentred_steps: non-centred (interweaving) Metropolis-Hastings steps on :math:`\theta`
+            per sweep, each about half a sweep (0: none). The model needs ``Normal`` latent sites.
+        proposal: the random walk of the centred steps on the flattened unconstrained parameters
+            (default: ``AdaptiveRandomWalk(D, target_accept=0.44 if D == 1 else 0.234)``).
+        noncentred_proposal: the same for the non-centred steps (default: likewise).
+        init_strategy: a Pyro initialisation strategy (``pyro.infer.autoguide.initialization``)
+            applied to each parameter's prior; default the prior median, as :class:`PMMH`.
+            ``MCMC(initial_params=)`` (unconstrained values) overrides it.
         ancestor_sampling: see :class:`~pyro_smc.infer.pmcmc.csmc.ConditionalSMC`.
         max_plate_nesting: the plates the model nests inside a step.
         trajectory_keys: the state keys reported in the samples (default: every key the state
@@ -102,7 +126,7 @@ class ParticleGibbs(MCMCKernel):
         >>> one = torch.eye(1)
         >>> ssm = LinearGaussianSSM(0.5 * one, one, one, one, torch.zeros(1), one)
         >>> ssm.Q = PyroSample(dist.LogNormal(0.0, 1.0).expand([1, 1]).to_event(2))
-        >>> kernel = ParticleGibbs(ssm, num_particles=5, num_mh_steps=2)
+        >>> kernel = ParticleGibbs(ssm, num_particles=5, num_mh_steps=2, noncentred_steps=1)
         >>> kernel.setup(0, torch.zeros(6, 1))
         >>> params = kernel.sample(kernel.initial_params)
         >>> sorted(params), params["x"].shape
@@ -116,7 +140,10 @@ class ParticleGibbs(MCMCKernel):
         *,
         parameters: Sequence[str] | None = None,
         num_mh_steps: int = 1,
+        noncentred_steps: int = 0,
         proposal: AdaptiveRandomWalk | None = None,
+        noncentred_proposal: AdaptiveRandomWalk | None = None,
+        init_strategy: Callable = init_to_median,
         ancestor_sampling: bool = True,
         max_plate_nesting: int = 0,
         trajectory_keys: Sequence[str] | None = None,
@@ -125,14 +152,16 @@ class ParticleGibbs(MCMCKernel):
         # export would otherwise call the model as a whole-trajectory program, which it is not
         self.model = None
         self.csmc = ConditionalSMC(model, num_particles, ancestor_sampling=ancestor_sampling, max_plate_nesting=max_plate_nesting)
+        self.replay = PathReplay(self.csmc)
         self.static = _static_parameters(model, parameters)
         self.num_mh_steps = int_at_least("num_mh_steps", num_mh_steps, 1)
+        self.noncentred_steps = int_at_least("noncentred_steps", noncentred_steps, 0)
         size = 0 if self.static is None else self.static.unconstrained_size
-        if proposal is not None and (not isinstance(proposal, AdaptiveRandomWalk) or proposal.dim != size):
-            raise ValueError(f"proposal must be an AdaptiveRandomWalk of dim {size} (the unconstrained parameters), got {proposal!r}")
-        if proposal is None and size:
-            proposal = AdaptiveRandomWalk(size, target_accept=0.44 if size == 1 else 0.234)
-        self.proposal = proposal
+        self.proposal = _proposal("proposal", proposal, size)
+        self.noncentred_proposal = _proposal("noncentred_proposal", noncentred_proposal, size) if self.noncentred_steps else None
+        if not callable(init_strategy):
+            raise ValueError(f"init_strategy must be a Pyro initialisation strategy (a callable), got {init_strategy!r}")
+        self.init_strategy = init_strategy
         if trajectory_keys is not None and (isinstance(trajectory_keys, str) or not all(isinstance(k, str) for k in trajectory_keys)):
             raise ValueError(f"trajectory_keys must be a sequence of state keys, got {trajectory_keys!r}")
         self.trajectory_keys = None if trajectory_keys is None else list(trajectory_keys)
@@ -145,9 +174,10 @@ class ParticleGibbs(MCMCKernel):
     def _reset(self) -> None:
         self._t = 0
         self._warmup_steps = 0
-        self._accepted = 0
-        self._num_proposals = 0
-        self._mean_accept_prob = 0.0
+        # per move ("centred", "non-centred"): [accepted, tried] after warm-up, and the running
+        # mean acceptance probability of the whole run (the progress bar's)
+        self._counts = {"centred": [0, 0], "non-centred": [0, 0]}
+        self._mean_accept = {"centred": [0.0, 0], "non-centred": [0.0, 0]}
         self._path_updates: Tensor | None = None
         self._num_sweeps = 0
 
@@ -164,8 +194,8 @@ class ParticleGibbs(MCMCKernel):
         self._initial_params = params
 
     def setup(self, warmup_steps: int, observations: Any = None, *args: Any, **kwargs: Any) -> None:
-        """Checks the data, draws the start (the parameters from the prior unless given) and the
-        first trajectory from a plain particle filter at them."""
+        """Checks the data, takes the start (``initial_params`` where given, else
+        ``init_strategy``) and draws the first trajectory from a plain particle filter there."""
         if observations is None:
             raise ValueError("observations: run the chain as MCMC(kernel, ...).run(observations, *args)")
         _check_observations(observations)
@@ -175,13 +205,14 @@ class ParticleGibbs(MCMCKernel):
         z = {}
         if self.static is not None:
             given = self._initial_params or {}
-            missing = [n for n in self.static.names if n not in given]
             z = {n: given[n] for n in self.static.names if n in given}
-            if missing:
-                prior = self.static.unconstrain(self.static.sample())
-                z.update({n: prior[n] for n in missing})
+            if len(z) < len(self.static.names):
+                start = self.static.initial(self.init_strategy)
+                z.update({n: start[n] for n in self.static.names if n not in z})
             z = {n: torch.as_tensor(z[n]).reshape(self.static.unconstrained_shapes[n]) for n in self.static.names}
         self.trajectory = None
+        # the first sweep runs with Pyro's validation as the user set it, so that a model error
+        # names its site; later sweeps skip the argument checks (a tenth of a sweep's time)
         self.trajectory = self._sweep(z)
         reported = self._reported(self.trajectory)
         clash = sorted(set(reported) & set(z))
@@ -190,43 +221,56 @@ class ParticleGibbs(MCMCKernel):
         self._initial_params = {**z, **reported}
 
     def sample(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
-        """One particle Gibbs iteration: a conditional SMC sweep, then ``num_mh_steps``
-        Metropolis-Hastings steps on the parameters given the new trajectory."""
+        """One particle Gibbs iteration: a conditional SMC sweep, then ``num_mh_steps`` centred
+        and ``noncentred_steps`` non-centred Metropolis-Hastings steps on the parameters."""
         z = {} if self.static is None else {n: params[n] for n in self.static.names}
         previous = self.trajectory
-        self.trajectory = self._sweep(z)
-        self._count_path_updates(previous, self.trajectory)
-        if self.static is not None:
-            z = self._update_parameters(z)
+        with pyro.validation_enabled(False):
+            self.trajectory = self._sweep(z)
+            self._count_path_updates(previous, self.trajectory)
+            if self.static is not None:
+                z = self._centred_moves(z)
+                if self.noncentred_steps:
+                    z = self._noncentred_moves(z)
         self._t += 1
         if self._t == self._warmup_steps:
             self.end_warmup()
         return {**z, **self._reported(self.trajectory)}
 
     def end_warmup(self) -> None:
-        """Freezes the proposal's adaptation."""
-        if self.proposal is not None:
-            self.proposal.end_warmup()
+        """Freezes the proposals' adaptation."""
+        for proposal in (self.proposal, self.noncentred_proposal):
+            if proposal is not None:
+                proposal.end_warmup()
 
     def logging(self) -> OrderedDict:
-        """The progress bar's line: the parameters' acceptance probability and the proposal scale."""
+        """The progress bar's line: the parameter moves' mean acceptance probability and the
+        centred proposal's scale, and the mean path update rate."""
         out = OrderedDict()
         if self.proposal is not None:
             out["step size"] = f"{self.proposal.scale:.2e}"
-            out["acc. prob"] = f"{self._mean_accept_prob:.3f}"
+            out["acc. prob"] = f"{self._mean_accept['centred'][0]:.3f}"
+        if self.noncentred_proposal is not None:
+            out["nc acc. prob"] = f"{self._mean_accept['non-centred'][0]:.3f}"
         if self._path_updates is not None:
-            out["path upd."] = f"{float(self._path_updates.min()) / max(self._num_sweeps, 1):.2f}"
+            out["path upd."] = f"{float(self._path_updates.mean()) / max(self._num_sweeps, 1):.2f}"
         return out
 
     def diagnostics(self) -> dict[str, Any]:
-        """``acceptance rate`` of the parameter moves after warm-up, ``path update rate``: the
-        smallest, over the steps, fraction of sweeps that changed the trajectory there, and
-        ``divergences`` (empty: ArviZ's export reads it)."""
+        """Scalars over the samples after warm-up: ``acceptance rate`` of the centred parameter
+        moves (and ``non-centred acceptance rate`` when there are any), ``path update rate``:
+        the mean over time steps of the fraction of sweeps that changed the trajectory there,
+        ``min path update rate``: the smallest over the steps (where the path sticks), and
+        ``divergences`` (empty: ArviZ's export reads it). :attr:`path_update_rate` has the rate
+        per time step."""
         out: dict[str, Any] = {"divergences": []}
-        if self.static is not None and self._num_proposals:
-            out["acceptance rate"] = self._accepted / self._num_proposals
+        for name, key in (("centred", "acceptance rate"), ("non-centred", "non-centred acceptance rate")):
+            accepted, tried = self._counts[name]
+            if tried:
+                out[key] = accepted / tried
         if self._path_updates is not None and self._num_sweeps:
-            out["path update rate"] = float(self._path_updates.min()) / self._num_sweeps
+            out["path update rate"] = float(self._path_updates.mean()) / self._num_sweeps
+            out["min path update rate"] = float(self._path_updates.min()) / self._num_sweeps
         return out
 
     @property
@@ -236,46 +280,82 @@ class ParticleGibbs(MCMCKernel):
         drops towards 0 at the early steps of a long series)."""
         return None if self._path_updates is None else self._path_updates / max(self._num_sweeps, 1)
 
-    # --- the two blocks ------------------------------------------------------------------------
+    # --- the blocks ----------------------------------------------------------------------------
+
+    def _fixed(self, z: dict[str, Tensor]):
+        return contextlib.nullcontext() if self.static is None else self.static.fixed(self.static.constrain(z))
 
     def _sweep(self, z: dict[str, Tensor]) -> Trajectory:
         observations, args, kwargs = self._data
-        if self.static is None:
-            return self.csmc.sweep(observations, *args, reference=self.trajectory, **kwargs)
-        with self.static.fixed(self.static.constrain(z)):
+        with self._fixed(z):
             return self.csmc.sweep(observations, *args, reference=self.trajectory, **kwargs)
 
-    def _log_target(self, z: dict[str, Tensor], log_joint: Tensor | None = None) -> Tensor:
+    def _log_prior(self, z: dict[str, Tensor]) -> Tensor:
+        return self.static.log_prior_unconstrained(z)
+
+    def _centred_moves(self, z: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``num_mh_steps`` random-walk steps on the parameters, the path held."""
         observations, args, kwargs = self._data
-        log_prior = self.static.log_prior_unconstrained(z)
-        if not bool(torch.isfinite(log_prior)):
-            return log_prior.new_tensor(-math.inf)
-        if log_joint is None:
-            with torch.no_grad(), self.static.fixed(self.static.constrain(z)):
-                log_joint = self.csmc.log_density(self.trajectory, observations, *args, **kwargs)
-        total = log_prior + log_joint
-        return torch.nan_to_num(total, nan=-math.inf)
+        if self.trajectory.log_density is None:
+            with self._fixed(z):
+                self.trajectory = self.trajectory._replace(log_density=self.replay.log_density(self.trajectory, observations, *args, **kwargs))
 
-    def _update_parameters(self, z: dict[str, Tensor]) -> dict[str, Tensor]:
-        flat = self.static.flatten(z)
+        def score(z_new: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+            with self._fixed(z_new):
+                log_joint = self.replay.log_density(self.trajectory, observations, *args, **kwargs)
+            return log_joint, log_joint
+
         # the sweep scored its path at the current parameters: no extra run of the model
-        log_target = self._log_target(z, self.trajectory.log_density)
-        for k in range(self.num_mh_steps):
-            proposed = self.proposal.propose(flat)
-            log_proposed = self._log_target(self.static.unflatten(proposed))
+        z, log_joint = self._metropolis(z, self.trajectory.log_density, self.trajectory.log_density, score, self.num_mh_steps, "centred")
+        self.trajectory = self.trajectory._replace(log_density=log_joint)
+        return z
+
+    def _noncentred_moves(self, z: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``noncentred_steps`` random-walk steps on the parameters, the path's noise held."""
+        observations, args, kwargs = self._data
+        with self._fixed(z):
+            current = self.replay.noise(self.trajectory, observations, *args, **kwargs)
+        if not any(current.noise):
+            return z  # no Normal latent site: the move is the identity
+
+        def score(z_new: dict[str, Tensor]) -> tuple[Tensor, Any]:
+            with self._fixed(z_new):
+                path = self.replay.shift(current.trajectory, current.noise, observations, *args, **kwargs)
+            return path.trajectory.log_density + path.log_scale, path
+
+        log_target = current.trajectory.log_density + current.log_scale
+        z, path = self._metropolis(z, log_target, current, score, self.noncentred_steps, "non-centred")
+        self.trajectory = path.trajectory
+        return z
+
+    def _metropolis(self, z: dict[str, Tensor], log_target: Tensor, payload: Any, score: Callable, num_steps: int, move: str) -> tuple[dict, Any]:
+        """Random-walk Metropolis-Hastings on ``log prior + score(z)[0]``; returns the last state
+        and its ``score(z)[1]`` (``payload`` for the start)."""
+        proposal = self.proposal if move == "centred" else self.noncentred_proposal
+        flat = self.static.flatten(z)
+        log_target = _finite_or_minus_inf(self._log_prior(z) + log_target)
+        for _ in range(num_steps):
+            proposed = proposal.propose(flat)
+            z_new = self.static.unflatten(proposed)
+            log_prior = self._log_prior(z_new)
+            log_proposed, new_payload = log_prior.new_tensor(-math.inf), None
+            if bool(torch.isfinite(log_prior)):
+                term, new_payload = score(z_new)
+                log_proposed = _finite_or_minus_inf(log_prior + term)
             log_ratio = float(log_proposed - log_target)
             accept_prob = 1.0 if log_ratio >= 0 else (math.exp(log_ratio) if log_ratio > -math.inf else 0.0)
             accepted = bool(torch.rand((), device=flat.device) < accept_prob)
             if accepted:
-                flat, log_target = proposed, log_proposed
+                flat, log_target, payload = proposed, log_proposed, new_payload
             if self._t < self._warmup_steps:
-                self.proposal.update(flat, accept_prob)
+                proposal.update(flat, accept_prob)
             else:
-                self._num_proposals += 1
-                self._accepted += int(accepted)
-            n = self._t * self.num_mh_steps + k + 1
-            self._mean_accept_prob += (accept_prob - self._mean_accept_prob) / n
-        return self.static.unflatten(flat)
+                self._counts[move][0] += int(accepted)
+                self._counts[move][1] += 1
+            mean = self._mean_accept[move]
+            mean[1] += 1
+            mean[0] += (accept_prob - mean[0]) / mean[1]
+        return self.static.unflatten(flat), payload
 
     def _count_path_updates(self, previous: Trajectory | None, new: Trajectory) -> None:
         if previous is None or self._t < self._warmup_steps:
@@ -289,6 +369,18 @@ class ParticleGibbs(MCMCKernel):
         if self.trajectory_keys == []:
             return {}
         return trajectory.stacked(self.trajectory_keys)
+
+
+def _finite_or_minus_inf(x: Tensor) -> Tensor:
+    return torch.nan_to_num(x, nan=-math.inf)
+
+
+def _proposal(name: str, proposal: AdaptiveRandomWalk | None, size: int) -> AdaptiveRandomWalk | None:
+    if proposal is not None and (not isinstance(proposal, AdaptiveRandomWalk) or proposal.dim != size):
+        raise ValueError(f"{name} must be an AdaptiveRandomWalk of dim {size} (the unconstrained parameters), got {proposal!r}")
+    if proposal is None and size:
+        proposal = AdaptiveRandomWalk(size, target_accept=0.44 if size == 1 else 0.234)
+    return proposal
 
 
 def _static_parameters(model: Any, names: Sequence[str] | None) -> StaticParameters | None:

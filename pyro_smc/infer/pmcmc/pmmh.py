@@ -217,21 +217,12 @@ class PMMH(MCMCKernel):
     def initial_params(self) -> dict[str, Tensor]:
         """The unconstrained starting values (from ``init_strategy`` unless set)."""
         if self._initial_params is None:
-            self._initial_params = self._initialize()
+            self._initial_params = self.static.initial(self.init_strategy)
         return self._initial_params
 
     @initial_params.setter
     def initial_params(self, params: dict[str, Tensor]) -> None:
         self._initial_params = params
-
-    def _initialize(self) -> dict[str, Tensor]:
-        values: dict[str, Tensor] = {}
-        for site in self.static._sites:
-            with self.static.fixed(values):
-                prior = self.static._prior(site)
-            fake = {"type": "sample", "name": site.name, "fn": prior, "value": None, "is_observed": False, "infer": {}}
-            values[site.name] = self.init_strategy(fake).detach()
-        return self.static.unconstrain(values)
 
     def setup(self, warmup_steps: int, *args: Any, **kwargs: Any) -> None:
         """Reads the data of ``MCMC.run(observations, *args, **kwargs)`` and makes the proposals."""

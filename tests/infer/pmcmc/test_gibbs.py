@@ -9,6 +9,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import MCMC
+from pyro.infer.autoguide.initialization import init_to_value
 from pyro.nn import PyroSample
 from pyro.ops.stats import effective_sample_size
 
@@ -59,8 +60,8 @@ def test_the_parameter_update_targets_the_exact_conditional_posterior(seed):
     kernel.trajectory = path._replace(log_density=None)  # scored at the start's rho, not at each z
     x = torch.stack([path.sites[0]["x0"]] + [path.sites[k]["x"] for k in range(1, 4)])
     z, draws = {"rho": kernel.initial_params["rho"]}, []
-    for _ in range(400):
-        z = kernel._update_parameters(z)
+    for _ in range(600):
+        z = kernel._centred_moves(z)
         draws.append(kernel.transforms["rho"].inv(z["rho"]))
     rho = (torch.arange(4000, dtype=torch.float64) + 0.5) / 2000 - 1
     log_density = dist.Normal(0.0, 1 / (1 - rho**2).sqrt()).log_prob(x[0])
@@ -127,6 +128,33 @@ def test_initial_parameters_are_used():
     assert kernel.initial_params["x"].shape == (5,)
 
 
+def test_the_start_follows_init_strategy_unless_initial_params_are_given():
+    ys = simulate(5, seed=0)
+    kernel = ParticleGibbs(AR1(sigma=None), num_particles=4, init_strategy=init_to_value(values={"rho": torch.tensor(-0.4)}))
+    kernel.setup(0, ys)
+    # rho from the strategy; sigma, which it does not name, from its fallback (the prior median)
+    assert float(kernel.transforms["rho"].inv(kernel.initial_params["rho"])) == pytest.approx(-0.4)
+    assert 0 < float(kernel.transforms["sigma"].inv(kernel.initial_params["sigma"])) < math.inf
+    kernel = ParticleGibbs(AR1(sigma=None), num_particles=4, init_strategy=init_to_value(values={"rho": torch.tensor(-0.4)}))
+    kernel.initial_params = {"rho": torch.tensor(0.2).atanh()}
+    kernel.setup(0, ys)
+    assert float(kernel.initial_params["rho"]) == pytest.approx(math.atanh(0.2))
+
+
+def test_noncentred_steps_report_their_acceptance_and_the_path_update_rates():
+    ys = simulate(8, seed=0)
+    pyro.set_rng_seed(0)
+    kernel = ParticleGibbs(AR1(sigma=None), num_particles=4, noncentred_steps=2)
+    mcmc = run_chain(kernel, ys, num_samples=20, warmup_steps=5)
+    diagnostics = mcmc.diagnostics()
+    for key in ("acceptance rate", "non-centred acceptance rate", "path update rate", "min path update rate"):
+        assert 0 <= diagnostics[key]["chain 0"] <= 1, key
+    assert diagnostics["min path update rate"]["chain 0"] <= diagnostics["path update rate"]["chain 0"]
+    assert kernel._counts["non-centred"][1] == 2 * 20  # two tries a sweep after warm-up
+    assert set(kernel.logging()) == {"step size", "acc. prob", "nc acc. prob", "path upd."}
+    assert kernel.noncentred_proposal is not kernel.proposal  # each move adapts its own walk
+
+
 def test_bad_input_is_refused_naming_the_argument():
     with pytest.raises(ValueError, match="num_particles"):
         ParticleGibbs(AR1(), num_particles=1)
@@ -134,6 +162,12 @@ def test_bad_input_is_refused_naming_the_argument():
         ParticleGibbs(AR1(), num_mh_steps=0)
     with pytest.raises(ValueError, match="proposal must be an AdaptiveRandomWalk of dim 1"):
         ParticleGibbs(AR1(), proposal=AdaptiveRandomWalk(2))
+    with pytest.raises(ValueError, match="noncentred_steps"):
+        ParticleGibbs(AR1(), noncentred_steps=-1)
+    with pytest.raises(ValueError, match="noncentred_proposal must be an AdaptiveRandomWalk of dim 1"):
+        ParticleGibbs(AR1(), noncentred_steps=1, noncentred_proposal=AdaptiveRandomWalk(2))
+    with pytest.raises(ValueError, match="init_strategy"):
+        ParticleGibbs(AR1(), init_strategy=0.5)
     with pytest.raises(ValueError, match="trajectory_keys"):
         ParticleGibbs(AR1(), trajectory_keys="x")
     with pytest.raises(ValueError, match="names"):
