@@ -114,7 +114,7 @@ def test_mass_of_each_mode_is_kept():
     """A weighted sample of a two-mode target (30% / 70% at -3 / +3, sd 0.5) keeps each mode's
     mass within 5 sigma (the binomial sd of N equally weighted particles, over B filters). Euler's
     last step blurs by a Gaussian of variance about b^2 T / K times the weighted variance (to
-    first order in b^2 T / K; K = 16 here), so the mass between the modes is below that of the
+    first order in b^2 T / K; K = 16, b^2 T = 1 here), so the mass between the modes is below that of the
     target so blurred."""
     B, N = 50, 200
     g = torch.Generator().manual_seed(4)
@@ -124,7 +124,7 @@ def test_mass_of_each_mode_is_kept():
     )
     log_w = (mix.log_prob(x[..., 0]) - torch.distributions.Normal(0.0, 4.0).log_prob(x[..., 0])).log_softmax(-1)
     torch.manual_seed(4)
-    out = diffusion_resample(x, log_w, num_steps=16).particles[..., 0]
+    out = diffusion_resample(x, log_w, num_steps=16, time=1.0).particles[..., 0]
     left = (out < 0).double().mean(-1)
     weighted_left = (log_w.exp() * (x[..., 0] < 0)).sum(-1)
     sd = (weighted_left * (1 - weighted_left) / N).sqrt()
@@ -183,7 +183,7 @@ def test_equal_and_degenerate_weights(integrator):
     assert torch.allclose(out[0], x[0, 2].expand(6, 3)) and torch.allclose(out[1], x[1, 5].expand(6, 3))
     # Zero-weight particles take no part: their positions change nothing.
     log_w = torch.tensor([[0.0, 0.0, -math.inf, 0.0, -math.inf, 0.0]]).log_softmax(-1)
-    noise = torch.randn((17, 1, 6, 3), generator=g)
+    noise = torch.randn((9, 1, 6, 3), generator=g)  # the default K = 8, plus the start
     moved = x[:1].clone()
     moved[0, 2] += 100.0
     moved[0, 4] -= 50.0
