@@ -6,6 +6,8 @@ import pyro
 import pytest
 import torch
 
+from pyro_smc.infer.smc.compiled import _SHARED
+
 
 # The suite is dominated by small tensor ops, for which intra-op threads only add barrier waits:
 # on a loaded 2-core machine a 2 x 2 Cholesky took 12 ms with two threads and 12 us with one.
@@ -40,6 +42,9 @@ def _defaults():
     torch.set_default_dtype(torch.float64)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
+    # Each test starts without SMC recordings shared by class from earlier tests (a test that
+    # counts its replayed steps expects its own first run to record).
+    _SHARED.clear()
     yield
     torch.set_default_dtype(old)
 

@@ -13,7 +13,11 @@ Contenders, timed interleaved in one process (``_common.timeit_interleaved``), f
   ``init``/``step`` program run through Pyro's handlers at every step, Pyro's validation on.
 * ``SMC compile``: the default, ``compile=None``: a regular step recorded once and replayed
   (``docs/engines/smc.md#the-compiled-step``), with the reweighting and summary inside the
-  recording; a new model each run, so each run records (three of the T steps on the handlers).
+  recording; a new model object each run, which reuses the recording of an earlier object of
+  the same class (verified again at its first regular step: two steps on the handlers).
+* ``SMC compile, first``: the same with that shared recording forgotten before each run, so each
+  run records (three of the T steps on the handlers, the trace, its simplification and the
+  loop's compilation): what the first run of a class in a process pays.
 * ``SMC compile, kept``: the same with one model object for all runs, as in an SVI loop
   (``SMCELBO`` builds a new ``SMC`` per step): a run reuses the recording of the run before,
   verified again at its first regular step (two steps on the handlers, no recording).
@@ -64,6 +68,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks` imports as a package
 from benchmarks._common import add_common_args, f2, print_table, progress, ratio, setup, slash, timeit_interleaved, write_results, yn
 from pyro_smc import SMC
+from pyro_smc.infer.smc.compiled import _SHARED
 from pyro_smc.infer.smc import advance as advance_module
 from pyro_smc.infer.smc import compiled as compiled_module
 from pyro_smc.infer.smc import engine as engine_module
@@ -251,7 +256,8 @@ def summary_cells(d: dict) -> dict:
         f"per filter with B = {slash([r['B'] for r in batch], str)} filters at N = {batch[0]['N']}: {slash([r['ours_ms_per_filter'] for r in batch], f2)} ms",
         "anchor": f"`particles` (Chopin) {slash([r['particles_ms'] for r in rows], f2)} ms per run",
         "comparison": f"ours / particles at B = 1: {slash([r['ratio'] for r in rows], ratio)} ({slash([r['ratio_noval'] for r in rows], ratio)} validation off; "
-        f"compiled {slash([r['ratio_compiled'] for r in rows], ratio)}, recording kept {slash([r.get('ratio_kept', math.nan) for r in rows], ratio)}); "
+        f"compiled {slash([r['ratio_compiled'] for r in rows], ratio)}, recording kept {slash([r.get('ratio_kept', math.nan) for r in rows], ratio)}, "
+        f"recorded afresh {slash([r.get('ratio_first', math.nan) for r in rows], ratio)}); "
         f"compiled / hand-written floor {slash([r['compiled_over_floor'] for r in rows], ratio)} "
         f"(kept {slash([r.get('kept_over_floor', math.nan) for r in rows], ratio)}); "
         f"per filter at B = {slash([r['B'] for r in batch], str)}: {slash([r['ratio_per_filter'] for r in batch], ratio)}",
@@ -293,6 +299,7 @@ def main():
                     "ours": lambda ys=ys, n=n: run_ours(ys, n),
                     "ours_noval": lambda ys=ys, n=n: run_ours(ys, n, validate=False),
                     "ours_compiled": lambda ys=ys, n=n: run_ours(ys, n, compile=True),
+                    "ours_first": lambda ys=ys, n=n: (_SHARED.clear(), run_ours(ys, n, compile=True))[1],
                     "ours_kept": lambda ys=ys, n=n, m=kept: run_ours(ys, n, compile=True, model=m),
                     "floor": lambda ys=ys, n=n: run_floor(ys, n),
                 },
@@ -304,12 +311,15 @@ def main():
                    "ratio_kept": ms["ours_kept"] / ms["particles"], "kept_over_floor": ms["ours_kept"] / ms["floor"],
                    "ratio": ms["ours"] / ms["particles"], "ratio_noval": ms["ours_noval"] / ms["particles"],
                    "ratio_compiled": ms["ours_compiled"] / ms["particles"], "compiled_over_floor": ms["ours_compiled"] / ms["floor"],
+                   "ours_first_ms": ms["ours_first"], "ratio_first": ms["ours_first"] / ms["particles"],
+                   "first_over_floor": ms["ours_first"] / ms["floor"],
                    "ours_over_floor": ms["ours"] / ms["floor"], "timings": t}
             single.append(rec)
-            rows.append([T, n, ms["particles"], ms["floor"], ms["ours"], ms["ours_compiled"], ms["ours_kept"], rec["ratio"], rec["ratio_compiled"],
-                         rec["ratio_kept"], rec["ours_over_floor"], rec["compiled_over_floor"], rec["kept_over_floor"]])
-    print_table(["T", "N", "particles ms", "floor ms", "SMC ms", "compiled ms", "kept ms", "SMC / particles", "compiled / particles",
-                 "kept / particles", "SMC / floor", "compiled / floor", "kept / floor"], rows,
+            rows.append([T, n, ms["particles"], ms["floor"], ms["ours"], ms["ours_first"], ms["ours_compiled"], ms["ours_kept"], rec["ratio"],
+                         rec["ratio_first"], rec["ratio_compiled"], rec["ratio_kept"], rec["ours_over_floor"], rec["first_over_floor"],
+                         rec["compiled_over_floor"], rec["kept_over_floor"]])
+    print_table(["T", "N", "particles ms", "floor ms", "SMC ms", "first ms", "compiled ms", "kept ms", "SMC / particles", "first / particles",
+                 "compiled / particles", "kept / particles", "SMC / floor", "first / floor", "compiled / floor", "kept / floor"], rows,
                 title=f"One filter (B = 1), forward, SV bootstrap, float64, median of {repeats}")
 
     T, n = horizons[0], 1000

@@ -29,7 +29,10 @@ A recording is only valid for a program that does the same thing at every step. 
 A recording is kept with its model and guide (weakly) for their later runs (``SMCELBO`` builds an
 ``SMC`` per SVI step): a run whose step looks the same (signature, scalar attributes, param names)
 verifies it again at its first regular step and replays from the next; a disagreement there (a
-frozen constant that changed, such as a global) makes the run record afresh.
+frozen constant that changed, such as a global) makes the run record afresh. The last few are
+also kept by the model's and guide's classes and structure
+(:func:`~pyro_smc.infer.smc.static_checks.structure`), for a new model object of the same
+classes, verified the same way.
 
 What is not compiled: ``store_history`` (the smoother keeps each step's distributions), the
 marginal stop-gradient estimator (``gradient="marginal_stop_gradient"``, whose terms pair every
@@ -50,6 +53,7 @@ import logging
 import math
 import warnings
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
 
 import pyro
@@ -72,6 +76,7 @@ from pyro_smc.infer.smc.static_checks import (
     shapes,
     side_effect,
     sites,
+    structure,
     unflatten,
 )
 from pyro_smc.tracing import param_sites
@@ -375,17 +380,34 @@ class _Recording(NamedTuple):
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# And by the model's and guide's classes and structure (static_checks.structure), so that a new
+# model object of the same classes (``SMC(MyModel(), ...)`` in a loop) reuses one too; the
+# verifying step then checks it against that object's own handler path. The last few only.
+_SHARED: OrderedDict = OrderedDict()
+_MAX_SHARED = 16
+
+
 def _kept(program: StepProgram) -> _Recording | None:
-    """The recording :func:`_keep` kept for ``program``'s model and guide, or ``None``."""
+    """The recording :func:`_keep` kept for ``program``'s model and guide, else one kept for
+    another model object of the same classes and structure, or ``None``."""
     try:
         guide, recording = _KEPT.get(program.model, (None, None))
     except TypeError:  # a model that takes no weak reference is not kept
-        return None
-    return recording if recording is not None and guide() is program.guide else None
+        guide, recording = None, None
+    if recording is not None and guide() is program.guide:
+        return recording
+    return _SHARED.get(structure(program))
 
 
 def _keep(program: StepProgram, recording: _Recording | None) -> None:
-    """Keeps ``recording`` (``None``: forgets) for later runs of ``program``'s model and guide."""
+    """Keeps ``recording`` (``None``: forgets) for later runs of ``program``'s model and guide,
+    and of other model objects of the same classes and structure."""
+    key = structure(program)
+    _SHARED.pop(key, None)
+    if recording is not None:
+        _SHARED[key] = recording
+        while len(_SHARED) > _MAX_SHARED:
+            _SHARED.popitem(last=False)
     try:
         guide = (lambda: None) if program.guide is None else weakref.ref(program.guide)
         if recording is None:

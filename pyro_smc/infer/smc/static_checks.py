@@ -27,6 +27,7 @@ __all__ = [
     "shapes",
     "side_effect",
     "sites",
+    "structure",
     "unflatten",
 ]
 
@@ -36,6 +37,29 @@ def constants(program: StepProgram) -> tuple:
     attributes (tensors are inputs) and the names in the param store."""
     owners = [{k: v for k, v in (plain_attributes(o) or {}).items() if not isinstance(v, Tensor)} for o in (program.model, program.guide)]
     return tuple(sorted(owner.items()) for owner in owners) + (tuple(pyro.get_param_store().keys()),)
+
+
+def structure(program: StepProgram) -> tuple:
+    """What a recording made for another model object of the same classes must match beyond
+    :func:`constants`: for the model, the guide and each of their submodules, its class, its
+    public scalar attributes by value and its other public attributes (functions, containers,
+    objects) by identity, so that two objects built with different callables or holding different
+    containers (where a tensor may hide from the recording's inputs) never share a recording.
+    Tensors are the recording's inputs; underscored attributes are torch's and Pyro's own."""
+    out = []
+    for owner in (program.model, program.guide):
+        if owner is None:
+            out.append(None)
+            continue
+        objects = owner.named_modules() if isinstance(owner, torch.nn.Module) else [("", owner)]
+        described = []
+        for name, obj in objects:
+            attributes = getattr(obj, "__dict__", {})
+            public = sorted((k, v) for k, v in attributes.items() if not k.startswith("_") and not isinstance(v, Tensor))
+            values = tuple((k, v if v is None or isinstance(v, (bool, int, float, str)) else ("id", id(v))) for k, v in public)
+            described.append((name, type(obj), values))
+        out.append((type(owner), tuple(described)))
+    return tuple(out)
 
 
 def shapes(tensors: tuple[Tensor, ...]) -> tuple:

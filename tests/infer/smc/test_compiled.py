@@ -341,10 +341,65 @@ def test_a_later_run_of_the_same_model_reuses_its_recording():
     # prior, need no grad yet); step 1 is verified, and the rest replayed.
     assert first._compiled.compiled_steps == T - 3 and second._compiled.compiled_steps == T - 2
     _assert_same(second, plain)
-    # Another guide is another program: recorded afresh.
+    # A new guide object of the same class and structure reuses it (verified first); a guide of
+    # another class is another program: recorded afresh.
     torch.manual_seed(5)
-    other = SMC(model, Proposal(), num_particles=40, num_filters=2).run(_data())
-    assert other._compiled.compiled_steps == T - 3
+    same = SMC(model, Proposal(), num_particles=40, num_filters=2).run(_data())
+    torch.manual_seed(5)
+    other = SMC(model, OtherProposal(), num_particles=40, num_filters=2).run(_data())
+    assert same._compiled.compiled_steps == T - 2 and other._compiled.compiled_steps == T - 3
+    _assert_same(same, plain)
+
+
+class OtherProposal(Proposal):
+    """The same program under another class."""
+
+
+class Hidden(AR):
+    """A tensor the recording cannot see as an input: inside a list attribute."""
+
+    def __init__(self, scale, box=None):
+        super().__init__()
+        self.box = [torch.tensor(scale)] if box is None else box
+
+    def step(self, state, y):
+        state["x"] = pyro.sample("x", dist.Normal(self.theta * state["x"], 1.0))
+        pyro.sample("y", dist.Normal(state["x"], self.box[0]), obs=y)
+
+
+def _handler_and_compiled(make):
+    out = []
+    for compile in (False, None):
+        torch.manual_seed(7)
+        out.append(SMC(make(), num_particles=30, compile=compile).run(_data()))
+    return out
+
+
+def test_a_new_model_object_of_the_same_class_reuses_a_recording_only_where_it_fits():
+    """A model object of the same class and structure reuses another's verified recording (the
+    verifying step checks it against this object's handler path); a different scalar attribute or
+    a different container (where a tensor hides from the recording's inputs) records afresh. Each
+    answer equals the handler path's."""
+    first = SMC(ScaledAR(0.5), num_particles=30).run(_data())
+    assert first._compiled.compiled_steps == T - 3
+    plain, fast = _handler_and_compiled(lambda: ScaledAR(0.5))  # same class, same constants
+    assert fast._compiled.compiled_steps == T - 2
+    _assert_same(fast, plain)
+    plain, fast = _handler_and_compiled(lambda: ScaledAR(0.8))  # a constant differs
+    assert fast._compiled.compiled_steps == T - 3
+    _assert_same(fast, plain)
+    SMC(Hidden(0.5), num_particles=30).run(_data())
+    plain, fast = _handler_and_compiled(lambda: Hidden(0.9))  # another list: not shared
+    assert fast._compiled.compiled_steps == T - 3
+    _assert_same(fast, plain)
+    # The same list object, its tensor changed in place: shared, found wrong at the verifying
+    # step, recorded afresh (as for a kept recording whose global changed).
+    box = [torch.tensor(0.5)]
+    SMC(Hidden(0.5, box), num_particles=30).run(_data())
+    box[0] = torch.tensor(1.7)
+    plain, fast = _handler_and_compiled(lambda: Hidden(0.5, box))
+    assert fast.compile_status is None and fast._compiled.compiled_steps == T - 5
+    _assert_same(fast, plain)
 
 
 NOISE = 0.5
@@ -493,7 +548,8 @@ def test_a_step_that_fails_inside_the_loop_is_reported_as_on_the_handler_path(mo
             SMC(AR(), num_particles=30, compile=compile).run(ys)
         messages.append(str(info.value))
     assert looped == [0] and "time step 20" in messages[0] and messages[0] == messages[1]
-    # The same run without the bad step: the loop takes every step after the verifying one.
+    # The same run without the bad step (a new AR object: the failed run's verified recording,
+    # shared by class, is verified again at step 1): the loop takes every step after that.
     torch.manual_seed(5)
     fine = SMC(AR(), num_particles=30).run(_data())
-    assert looped == [0, T - 3] and fine._compiled.compiled_steps == T - 3
+    assert looped == [0, T - 2] and fine._compiled.compiled_steps == T - 2
