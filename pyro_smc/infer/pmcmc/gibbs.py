@@ -105,6 +105,10 @@ class ParticleGibbs(MCMCKernel):
             it, else about half a sweep).
         noncentred_steps: non-centred (interweaving) Metropolis-Hastings steps on :math:`\theta`
             per sweep, each about half a sweep (0: none). The model needs ``Normal`` latent sites.
+        noncentred_parameters: the parameters the non-centred steps move (default: all of
+            ``parameters``). With the noise held, a location or scale parameter moves the whole
+            path coherently, while one that sets the dynamics (an autoregressive coefficient)
+            reshapes it and is rarely accepted: move the former only.
         proposal: the random walk of the centred steps on the flattened unconstrained parameters
             (default: ``AdaptiveRandomWalk(D, target_accept=0.44 if D == 1 else 0.234)``).
         noncentred_proposal: the same for the non-centred steps (default: likewise).
@@ -141,6 +145,7 @@ class ParticleGibbs(MCMCKernel):
         parameters: Sequence[str] | None = None,
         num_mh_steps: int = 1,
         noncentred_steps: int = 0,
+        noncentred_parameters: Sequence[str] | None = None,
         proposal: AdaptiveRandomWalk | None = None,
         noncentred_proposal: AdaptiveRandomWalk | None = None,
         init_strategy: Callable = init_to_median,
@@ -158,7 +163,10 @@ class ParticleGibbs(MCMCKernel):
         self.noncentred_steps = int_at_least("noncentred_steps", noncentred_steps, 0)
         size = 0 if self.static is None else self.static.unconstrained_size
         self.proposal = _proposal("proposal", proposal, size)
-        self.noncentred_proposal = _proposal("noncentred_proposal", noncentred_proposal, size) if self.noncentred_steps else None
+        # the positions of the non-centred steps' parameters in the flattened unconstrained vector
+        self._noncentred_index = _positions(self.static, noncentred_parameters)
+        nc_size = size if self._noncentred_index is None else len(self._noncentred_index)
+        self.noncentred_proposal = _proposal("noncentred_proposal", noncentred_proposal, nc_size) if self.noncentred_steps else None
         if not callable(init_strategy):
             raise ValueError(f"init_strategy must be a Pyro initialisation strategy (a callable), got {init_strategy!r}")
         self.init_strategy = init_strategy
@@ -332,10 +340,15 @@ class ParticleGibbs(MCMCKernel):
         """Random-walk Metropolis-Hastings on ``log prior + score(z)[0]``; returns the last state
         and its ``score(z)[1]`` (``payload`` for the start)."""
         proposal = self.proposal if move == "centred" else self.noncentred_proposal
+        index = None if move == "centred" else self._noncentred_index
         flat = self.static.flatten(z)
         log_target = _finite_or_minus_inf(self._log_prior(z) + log_target)
         for _ in range(num_steps):
-            proposed = proposal.propose(flat)
+            if index is None:
+                proposed = proposal.propose(flat)
+            else:  # only the chosen parameters move; the rest keep their values
+                proposed = flat.clone()
+                proposed[index] = proposal.propose(flat[index])
             z_new = self.static.unflatten(proposed)
             log_prior = self._log_prior(z_new)
             log_proposed, new_payload = log_prior.new_tensor(-math.inf), None
@@ -348,7 +361,7 @@ class ParticleGibbs(MCMCKernel):
             if accepted:
                 flat, log_target, payload = proposed, log_proposed, new_payload
             if self._t < self._warmup_steps:
-                proposal.update(flat, accept_prob)
+                proposal.update(flat if index is None else flat[index], accept_prob)
             else:
                 self._counts[move][0] += int(accepted)
                 self._counts[move][1] += 1
@@ -373,6 +386,23 @@ class ParticleGibbs(MCMCKernel):
 
 def _finite_or_minus_inf(x: Tensor) -> Tensor:
     return torch.nan_to_num(x, nan=-math.inf)
+
+
+def _positions(static: StaticParameters | None, names: Sequence[str] | None) -> Tensor | None:
+    """The positions of ``names``' entries in ``static``'s flattened unconstrained vector
+    (``None``: all of them)."""
+    if names is None:
+        return None
+    if isinstance(names, str) or static is None or not names or any(n not in static.names for n in names):
+        known = [] if static is None else static.names
+        raise ValueError(f"noncentred_parameters must name some of the static parameters {known}, got {names!r}")
+    positions, start = [], 0
+    for n in static.names:
+        size = math.prod(static.unconstrained_shapes[n])
+        if n in names:
+            positions.extend(range(start, start + size))
+        start += size
+    return torch.tensor(positions, dtype=torch.long)
 
 
 def _proposal(name: str, proposal: AdaptiveRandomWalk | None, size: int) -> AdaptiveRandomWalk | None:

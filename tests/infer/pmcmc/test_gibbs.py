@@ -155,6 +155,21 @@ def test_noncentred_steps_report_their_acceptance_and_the_path_update_rates():
     assert kernel.noncentred_proposal is not kernel.proposal  # each move adapts its own walk
 
 
+def test_noncentred_parameters_restrict_the_noncentred_move_to_them(monkeypatch):
+    """noncentred_parameters=["sigma"]: the non-centred steps walk in sigma's coordinate alone
+    (rho keeps its value through them, sigma moves), with a walk of that dimension."""
+    ys = simulate(8, seed=0)
+    pyro.set_rng_seed(0)
+    kernel = ParticleGibbs(AR1(sigma=None), num_particles=4, noncentred_steps=2, noncentred_parameters=["sigma"])
+    assert kernel.static.names == ["rho", "sigma"] and kernel.noncentred_proposal.dim == 1
+    moves, original = [], kernel._noncentred_moves
+    monkeypatch.setattr(kernel, "_noncentred_moves", lambda z: moves.append((z, original(z))) or moves[-1][1])
+    run_chain(kernel, ys, num_samples=20, warmup_steps=5)
+    assert len(moves) == 25
+    assert all(torch.equal(before["rho"], after["rho"]) for before, after in moves)
+    assert any(not torch.equal(before["sigma"], after["sigma"]) for before, after in moves)
+
+
 def test_bad_input_is_refused_naming_the_argument():
     with pytest.raises(ValueError, match="num_particles"):
         ParticleGibbs(AR1(), num_particles=1)
@@ -166,6 +181,10 @@ def test_bad_input_is_refused_naming_the_argument():
         ParticleGibbs(AR1(), noncentred_steps=-1)
     with pytest.raises(ValueError, match="noncentred_proposal must be an AdaptiveRandomWalk of dim 1"):
         ParticleGibbs(AR1(), noncentred_steps=1, noncentred_proposal=AdaptiveRandomWalk(2))
+    with pytest.raises(ValueError, match="noncentred_parameters"):
+        ParticleGibbs(AR1(sigma=None), noncentred_steps=1, noncentred_parameters=["nope"])
+    with pytest.raises(ValueError, match="noncentred_parameters"):
+        ParticleGibbs(AR1(sigma=None), noncentred_steps=1, noncentred_parameters="sigma")
     with pytest.raises(ValueError, match="init_strategy"):
         ParticleGibbs(AR1(), init_strategy=0.5)
     with pytest.raises(ValueError, match="trajectory_keys"):
