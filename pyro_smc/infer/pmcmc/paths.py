@@ -266,6 +266,8 @@ class PathReplay:
     def _check_batched(self, trajectory: Trajectory, observations: Any, ys: list, missing: list, args: tuple, kwargs: dict) -> bool:
         """Whether one run of ``step`` over the steps gives what the step-by-step run gives here."""
         sites, states = trajectory.sites[1:], trajectory.states
+        # Without ancestor sampling the sweep never checked that the model is first-order Markov,
+        # and a state that reads further back could match on this path and not on the next.
         if not isinstance(observations, Tensor) or len(sites) < 2 or all(missing) or not self.csmc.ancestor_sampling:
             return False
         if any(set(s) != set(sites[0]) for s in sites) or any(set(s) != set(states[1]) for s in states[:-1]):

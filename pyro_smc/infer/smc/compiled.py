@@ -206,11 +206,7 @@ class CompiledStep:
         """Records or replays the step from the previous ``log_weights`` ``(B, N)``, resampling
         below an ESS of ``threshold``; ``None``: the caller runs it on the handler path (and passes
         what it made to :meth:`observe`)."""
-        # The weights' requires_grad is left out: it flips with resampling, and a recording
-        # serves both (the executor's autograd follows its inputs).
-        weights = None if log_weights is None else (log_weights.shape, log_weights.dtype)
-        settings = (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn), threshold, weights)
-        tensors, signature = flatten(state, inputs, settings)
+        tensors, signature = _step_signature(state, inputs, log_weights, threshold, model_fn, guide_fn, detach, score)
         if signature is None:
             return None
         tensors += (log_weights,)
@@ -279,15 +275,11 @@ class CompiledStep:
             return None
         if not inputs.args or not isinstance(inputs.args[0], Tensor):
             return None
-        weights = (log_weights.shape, log_weights.dtype)
-        settings = (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn), threshold, weights)
-        tensors, signature = flatten(state, inputs, settings)
+        tensors, signature = _step_signature(state, inputs, log_weights, threshold, model_fn, guide_fn, detach, score)
         extra = module_tensors(program)
         if signature != recording.signature or shapes(extra) != recording.extra:
             return None
-        store = dict(pyro.get_param_store().named_parameters()) if recording.params else {}
-        values = tensors + (log_weights,) + extra + tuple(store[name] for name in recording.params)
-        return recording, values, len(state), len(tensors)
+        return recording, tensors + (log_weights,) + extra + _parameters(recording), len(state), len(tensors)
 
     # --- record, replay ----------------------------------------------------------------------------
     def _record(self, program, state, model_fn, guide_fn, inputs, settings, tensors, signature) -> Replayed | None:
@@ -343,8 +335,7 @@ class CompiledStep:
         the parameters read now from the param store; returns what it made and the status's
         check value (not finite: the step failed; :func:`_run_step`), run by
         :func:`~pyro_smc.infer.smc.replay.execute`."""
-        store = dict(pyro.get_param_store().named_parameters()) if recording.params else {}
-        out = iter(execute(recording.function, recording.executors, tensors + tuple(store[name] for name in recording.params)))
+        out = iter(execute(recording.function, recording.executors, tensors + _parameters(recording)))
         new = {key: next(out) for key in recording.out_keys}
         terms = [(name, next(out)) for name in recording.term_names]
         score_value = next(out) if recording.has_score else None
@@ -385,6 +376,23 @@ _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # verifying step then checks it against that object's own handler path. The last few only.
 _SHARED: OrderedDict = OrderedDict()
 _MAX_SHARED = 16
+
+
+def _step_signature(state, inputs, log_weights, threshold, model_fn, guide_fn, detach, score) -> tuple[tuple[Tensor, ...], tuple | None]:
+    """The step's tensors and what a recording of it must match (:func:`flatten` with the
+    run's settings). The weights' requires_grad is left out: it flips with resampling, and a
+    recording serves both (the executor's autograd follows its inputs)."""
+    weights = None if log_weights is None else (log_weights.shape, log_weights.dtype)
+    settings = (detach, score, torch.is_grad_enabled(), _name(model_fn), _name(guide_fn), threshold, weights)
+    return flatten(state, inputs, settings)
+
+
+def _parameters(recording: _Recording) -> tuple[Tensor, ...]:
+    """The parameters ``recording`` reads, as the param store holds them now."""
+    if not recording.params:
+        return ()
+    store = dict(pyro.get_param_store().named_parameters())
+    return tuple(store[name] for name in recording.params)
 
 
 def _kept(program: StepProgram) -> _Recording | None:

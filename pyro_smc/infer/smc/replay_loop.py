@@ -19,8 +19,8 @@ replays the same steps and hands the failing one to the handler path to report.
 When it runs: a run (not ``SMC.step``), an index resampler
 (:func:`~pyro_smc.resamplers.index.index_scheme`), a verified recording whose signature the
 next step matches, every remaining step regular (no missing data, no padding, no per-filter
-activity), the state keys unchanged by the step, and neither the auxiliary filter's first stage
-nor the progress bar's per-step updates.
+activity), the state keys unchanged by the step, and no first stage (the auxiliary filter,
+SQMC) before it.
 """
 
 from __future__ import annotations

@@ -45,7 +45,9 @@ def structure(program: StepProgram) -> tuple:
     public scalar attributes by value and its other public attributes (functions, containers,
     objects) by identity, so that two objects built with different callables or holding different
     containers (where a tensor may hide from the recording's inputs) never share a recording.
-    Tensors are the recording's inputs; underscored attributes are torch's and Pyro's own."""
+    Tensors are the recording's inputs; underscored attributes are torch's and Pyro's own. An
+    identity the allocator reuses for a new object can match an old one: the verifying step,
+    which every shared recording passes first, is what rules a wrong match out."""
     out = []
     for owner in (program.model, program.guide):
         if owner is None:
