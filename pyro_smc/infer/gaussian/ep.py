@@ -20,19 +20,23 @@ the tilted distribution is exactly Gaussian, so each new message has a closed fo
 
 * measurement :math:`y_t = J x_t + c + \epsilon`: :math:`\Lambda = J^\top \operatorname{Cov}[\epsilon]^{-1} J`,
   :math:`\eta = J^\top \operatorname{Cov}[\epsilon]^{-1} (y_t - c)`;
-* forward (prediction through the transition at :math:`t - 1`): :math:`\mathcal N(M, S - (1 - \alpha) J P J^\top)`;
+* forward (prediction through the transition at :math:`t - 1`, fitted at everything known of
+  :math:`x_{t-1}` but :math:`q_{\mathrm{bwd}}`): :math:`\mathcal N(M, S)`;
 * backward, given the data message :math:`(\eta_m, \Lambda_m)` on :math:`x_{t+1}` (everything at :math:`t + 1`
-  but :math:`q_{\mathrm{fwd}}^\alpha`): with :math:`E = \operatorname{Cov}[\epsilon] / \alpha` and :math:`H = (I + \Lambda_m E)^{-1}`,
-  :math:`\Lambda = J^\top H \Lambda_m J / \alpha`, :math:`\eta = J^\top H (\eta_m - \Lambda_m c) / \alpha`.
+  but :math:`q_{\mathrm{fwd}}`): with :math:`E = \operatorname{Cov}[\epsilon]` and :math:`H = (I + \Lambda_m E)^{-1}`,
+  :math:`\Lambda = J^\top H \Lambda_m J`, :math:`\eta = J^\top H (\eta_m - \Lambda_m c)`.
   This form never inverts :math:`\Lambda_m`, which is singular whenever ``y`` has fewer dimensions
   than ``x``.
 
+With ``power`` :math:`\alpha < 1` (power EP, ``docs/math/ep.md#power-ep``) the measurement and backward
+messages are fitted at the cavities :math:`q / q_i^\alpha` and their models' linearisation error
+(:math:`\operatorname{Cov}[\epsilon]` less the model's noise covariance) is scaled by :math:`\alpha`.
+
 Every message is then positive semi-definite by construction, and a cavity is proper as long as
-:math:`q_{\mathrm{fwd}}` is (it is a prediction). The first sweep runs with :math:`\alpha = 1` and no damping and
-equals the matching Gaussian smoother (EKS, URTSS, GP-RTSS); later sweeps use ``power`` and
-``damping`` and refine the linearisation points. With ``power=1`` a linear-Gaussian model
-converges in one sweep to the Kalman smoother (``power < 1`` keeps its means but not its
-covariances: ``docs/math/ep.md#power-ep``).
+:math:`q_{\mathrm{fwd}}` is (it is a prediction). The first sweep runs without damping; with ``power=1``
+it equals the matching Gaussian smoother (EKS, URTSS, GP-RTSS). Later sweeps use ``damping`` and
+refine the linearisation points. A linear-Gaussian model converges in one sweep to the Kalman
+smoother, whatever the power.
 
 ``log_evidence`` is the EP evidence (``docs/math/ep.md#the-ep-evidence``): the exact
 log-likelihood of the linear-Gaussian model that the last sweep's projections fitted, by a Kalman
@@ -119,11 +123,15 @@ class EPSmoother:
             (``MomentMatching()``, ``Linearization()``, ``Unscented(...)`` or a subclass), or the
             name of a default one: ``"moment_matching"`` (exact for GP components, unscented
             otherwise), ``"linearization"`` or ``"unscented"``.
-        max_iter: maximum number of forward-backward sweeps (the first is the plain smoother).
+        max_iter: maximum number of forward-backward sweeps (with ``power=1`` the first is the
+            plain smoother).
         damping: :math:`\gamma` in ``(0, 1]``; messages move to :math:`(1 - \gamma) \, \mathrm{old} + \gamma \, \mathrm{new}` in
             natural parameters from the second sweep on. 1 is no damping.
-        power: :math:`\alpha` in ``(0, 1]`` of power EP (cavities :math:`q / q_i^\alpha`), from the second
-            sweep on. 1 is plain EP.
+        power: :math:`\alpha` in ``(0, 1]`` of power EP, in every sweep: the measurement and backward
+            messages are fitted at the cavities :math:`q / q_i^\alpha` (nearer the marginal as
+            :math:`\alpha` falls) with the linearisation error scaled by :math:`\alpha`
+            (``docs/math/ep.md#power-ep``). 1 is plain EP. Exact on a linear-Gaussian model
+            for every power.
         tol: stop when no marginal's mean or covariance entry changed by more than this.
         gradient: how the results are differentiated in the model's tensors (its parameters):
             ``"implicit"`` (default) by implicit differentiation at the EP fixed point, with the

@@ -40,7 +40,7 @@ from pyro_smc.models.protocol import GaussianStateSpaceModel
 from pyro_smc.ops.gaussian import symmetrize, to_moment, to_natural
 from pyro_smc.ops.kalman import predict, update
 
-__all__ = ["Factors", "LinearFit", "backward_message", "ep_log_evidence_increments", "forward_message"]
+__all__ = ["Factors", "LinearFit", "backward_message", "ep_log_evidence_increments", "forward_message", "powered_noise"]
 
 
 class LinearFit(NamedTuple):
@@ -104,22 +104,30 @@ class Factors:
         self.transition_projection = projection.for_factor("transition")
         self.observation_projection = projection.for_factor("observation")
 
-    def transition(self, cavity: Natural, t: int) -> LinearFit:
-        r"""The implicit linear model of :math:`x_{t+1} = f(x_t) + w` at the cavity on :math:`x_t`."""
+    def transition(self, cavity: Natural, t: int, power: float = 1.0) -> LinearFit:
+        r"""The implicit linear model of :math:`x_{t+1} = f(x_t) + w` at the cavity on :math:`x_t`;
+        with ``power`` :math:`\alpha < 1` its linearisation error is scaled by :math:`\alpha`
+        (:func:`powered_noise`)."""
         mean, cov = to_moment(*cavity)
-        M, S, C = self.transition_projection.moments(self.ssm.transition_fn, mean, cov, t, self.ssm.transition_cov)
+        Q = self.ssm.transition_cov
+        M, S, C = self.transition_projection.moments(self.ssm.transition_fn, mean, cov, t, Q)
         J = torch.linalg.solve(cov, C).transpose(-1, -2)  # C^T P^{-1}
-        return LinearFit(mean, J, M - J @ mean, M, S, symmetrize(S - J @ C))
+        return LinearFit(mean, J, M - J @ mean, M, S, powered_noise(S - J @ C, Q, power))
 
-    def measurement(self, cavity: Natural, y: Tensor, observed: Tensor | None, t: int) -> tuple[Natural, LinearFit]:
-        """The measurement message of ``y``'s entries where ``observed`` (``None``: all of them)
-        and the implicit linear model it comes from."""
+    def measurement(
+        self, cavity: Natural, y: Tensor, observed: Tensor | None, t: int, power: float = 1.0
+    ) -> tuple[Natural, LinearFit]:
+        r"""The measurement message of ``y``'s entries where ``observed`` (``None``: all of them)
+        and the implicit linear model it comes from; with ``power`` :math:`\alpha < 1` the
+        model's linearisation error is scaled by :math:`\alpha` (:func:`powered_noise`)."""
         mean, cov = to_moment(*cavity)
-        mu, S_y, C = self.observation_projection.moments(self.ssm.observation_fn, mean, cov, t, self.ssm.observation_cov)
+        R = self.ssm.observation_cov
+        mu, S_y, C = self.observation_projection.moments(self.ssm.observation_fn, mean, cov, t, R)
         if observed is not None:
             y, mu, S_y, C = observed_moments(y, observed, mu, S_y, C)
+            R = R[observed][:, observed]
         J = torch.linalg.solve(cov, C).transpose(-1, -2)
-        noise = symmetrize(S_y - J @ C)
+        noise = powered_noise(S_y - J @ C, R, power)
         c = mu - J @ mean
         # J^T E^{-1} [J, y - c] in one Cholesky solve.
         rhs = torch.cat([J, (y - c).unsqueeze(-1)], -1)
@@ -144,21 +152,49 @@ class Factors:
         return LinearFit(mean, H, mu - Hm, mu, S, symmetrize(S - H @ C))
 
 
-def forward_message(fit: LinearFit, alpha: float) -> Natural:
-    r"""The forward message :math:`\mathcal N(M, S - (1 - \alpha) J P J^\top)` of a transition fit (power :math:`\alpha`)."""
-    return to_natural(fit.mean, fit.cov if alpha == 1.0 else fit.noise + alpha * (fit.cov - fit.noise))
+def powered_noise(residual: Tensor, noise: Tensor, power: float) -> Tensor:
+    r"""The noise of the linear model whose message power EP sends for a factor with additive
+    Gaussian noise (``docs/math/ep.md#power-ep``): :math:`\alpha (S_a - J P J^\top - N) + N`.
+
+    The powered factor :math:`f^\alpha` is the same map with the noise :math:`N / \alpha`; fitted at
+    the cavity, its linear model has the error :math:`E_{\mathrm{lin}} + N / \alpha`, where
+    :math:`E_{\mathrm{lin}} = S_a - J P J^\top - N` is what the map's nonlinearity adds (a GP's
+    predictive variance included), and the message is that model's to the power
+    :math:`1 / \alpha`: noise :math:`\alpha E_{\mathrm{lin}} + N`.
+
+    Args:
+        residual: :math:`S_a - J P J^\top` ``(e, e)``, noise included.
+        noise: :math:`N` ``(e, e)``, the factor's additive noise covariance.
+        power: :math:`\alpha` in ``(0, 1]``; 1 returns ``residual`` (symmetrised).
+
+    Returns:
+        ``(e, e)``, symmetric.
+
+    Example:
+        >>> import torch
+        >>> powered_noise(torch.full((1, 1), 3.0), torch.ones(1, 1), 0.5).item()  # 0.5 * 2 + 1
+        2.0
+    """
+    if power == 1.0:
+        return symmetrize(residual)
+    return symmetrize(power * residual + (1.0 - power) * noise)
 
 
-def backward_message(fit: LinearFit, data: Natural, alpha: float) -> Natural:
+def forward_message(fit: LinearFit) -> Natural:
+    r"""The forward message of a transition fit: its projected prediction :math:`\mathcal N(M, S)`."""
+    return to_natural(fit.mean, fit.cov)
+
+
+def backward_message(fit: LinearFit, data: Natural) -> Natural:
     r"""The backward message of a transition fit given the data message :math:`(\eta_m, \Lambda_m)` on
-    :math:`x_{t+1}`: with :math:`E = \operatorname{Cov}[\epsilon] / \alpha` and :math:`H = (I + \Lambda_m E)^{-1}`,
-    :math:`\Lambda = J^\top H \Lambda_m J / \alpha`, :math:`\eta = J^\top H (\eta_m - \Lambda_m c) / \alpha`. It never
-    inverts :math:`\Lambda_m`, singular whenever ``y`` has fewer dimensions than ``x``."""
+    :math:`x_{t+1}`: with :math:`E = \operatorname{Cov}[\epsilon]` and :math:`H = (I + \Lambda_m E)^{-1}`,
+    :math:`\Lambda = J^\top H \Lambda_m J`, :math:`\eta = J^\top H (\eta_m - \Lambda_m c)`. It never inverts
+    :math:`\Lambda_m`, singular whenever ``y`` has fewer dimensions than ``x``."""
     J, c, noise = fit.jacobian, fit.offset, fit.noise
     eta_m, lam_m = data
     eye = torch.eye(lam_m.shape[-1], dtype=lam_m.dtype, device=lam_m.device)
-    h = torch.linalg.solve(eye + lam_m @ noise / alpha, torch.cat([lam_m, (eta_m - lam_m @ c).unsqueeze(-1)], -1))
-    return J.transpose(-1, -2) @ h[:, -1] / alpha, symmetrize(J.transpose(-1, -2) @ h[:, :-1] @ J) / alpha
+    h = torch.linalg.solve(eye + lam_m @ noise, torch.cat([lam_m, (eta_m - lam_m @ c).unsqueeze(-1)], -1))
+    return J.transpose(-1, -2) @ h[:, -1], symmetrize(J.transpose(-1, -2) @ h[:, :-1] @ J)
 
 
 def ep_log_evidence_increments(init_mean: Tensor, init_cov: Tensor, measurements: list, transitions: list, ys: Tensor) -> Tensor:

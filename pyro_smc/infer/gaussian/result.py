@@ -80,7 +80,7 @@ class GaussianSmootherResult:
         means: ``(T, d)``.
         covariances: ``(T, d, d)``.
         first_sweep: for EP, the result of the first forward-backward sweep (the plain Gaussian
-            smoother); ``None`` otherwise.
+            smoother with ``power=1``); ``None`` otherwise.
         history: for EP, one :class:`EPIteration` per sweep; empty otherwise.
         converged: whether EP stopped on ``tol`` (always ``True`` for filters and smoothers).
         log_evidence: the prediction-error decomposition of :math:`\log p(y_{1:T})` under the filter's

@@ -36,7 +36,7 @@ class EPSettings(NamedTuple):
     Attributes:
         max_iter: sweeps (or first sweep plus parallel iterations) at most.
         damping: ``gamma`` in ``(0, 1]``, from the second sweep on.
-        power: ``alpha`` in ``(0, 1]`` of power EP, from the second sweep on.
+        power: ``alpha`` in ``(0, 1]`` of power EP, in every sweep (``docs/math/ep.md#power-ep``).
         tol: stop when no marginal's mean or covariance entry changed by more than this.
         on_iteration: called with each sweep's (or iteration's)
             :class:`~pyro_smc.infer.gaussian.result.EPIteration` as it is recorded: the

@@ -2,8 +2,9 @@ r"""The sequential EP schedule: forward-backward sweeps of single-message update
 
 See ``docs/math/ep.md#the-iteration``. Each update removes one message from its marginal (the
 cavity ``q / q_i^alpha``), refits the factor at the cavity (:class:`~pyro_smc.infer.gaussian.factors.Factors`)
-and puts back the message the fitted linear model implies, damped. The first sweep runs with
-``alpha = 1`` and no damping and is the matching Gaussian smoother.
+and puts back the message the fitted linear model implies, damped. The first sweep runs without
+damping; with ``power=1`` it is the matching Gaussian smoother (``docs/math/ep.md#power-ep`` for
+what the power changes in it).
 
 Example:
     >>> import torch
@@ -65,9 +66,9 @@ class SequentialSchedule:
 
     def iterate(self, problem: EPProblem, start: WarmStart | None = None) -> EPRun:
         """EP sweeps from the first one (or ``start``) until ``tol`` or ``max_iter``. A single
-        cold sweep (``max_iter=1``) is computed as the Gaussian smoother it equals
-        (:meth:`smoother_sweep`)."""
-        if start is None and self.settings.max_iter == 1:
+        cold sweep (``max_iter=1``) of plain EP (``power=1``) is computed as the Gaussian
+        smoother it equals (:meth:`smoother_sweep`)."""
+        if start is None and self.settings.max_iter == 1 and self.settings.power == 1.0:
             run = self.smoother_sweep(problem)
             if run is not None:
                 return run
@@ -130,9 +131,8 @@ class SequentialSchedule:
         fits: tuple[list, list] = ([None] * T, [None] * T)  # the last sweep's measurement and transition models
         for sweep in range(self.settings.max_iter if sweeps is None else sweeps):
             first = sweep == 0 and start is None
-            alpha = 1.0 if first else self.settings.power
             gamma = 1.0 if first else self.settings.damping
-            skipped = self.sweep(sites, problem, alpha, gamma, fits, sweep=len(history))
+            skipped = self.sweep(sites, problem, self.settings.power, gamma, fits, sweep=len(history))
             try:
                 means, covs = sites.moments()
             except NotPositiveDefiniteError as error:
@@ -185,19 +185,21 @@ class SequentialSchedule:
         measurements, transitions_kept = fits
         skipped = 0
         T = ys.shape[0]
-        # The backward update at t uses the same cavity q(t) / q_bwd(t)^alpha as the forward
-        # update at t + 1 (neither q_fwd(t), q_meas(t) nor q_bwd(t) changes in between), so
-        # each transition is projected once per sweep.
+        # Each message is power EP's update of the one-step factor it stands for
+        # (docs/math/ep.md#power-ep): the transition's forward and backward messages are fitted
+        # at q(t) / q_bwd(t) and q(t) / q_bwd(t)^alpha, and neither changes between the forward
+        # update at t + 1 and the backward one at t; with alpha = 1 they are the same cavity, so
+        # the transition is projected once per sweep.
         transitions: list = [None] * T
         site = ("fwd", 0)  # the update under way, for the error message
         try:
             for t in range(T):
                 if t > 0:
                     site = ("fwd", t)
-                    cavity = sites.marginal(t - 1, "bwd", alpha)
+                    cavity = sites.marginal(t - 1, "bwd")
                     if bool(is_proper(cavity[1])):
                         transitions[t - 1] = factors.transition(cavity, t - 1)
-                        skipped += not sites.accept("fwd", t, forward_message(transitions[t - 1], alpha), gamma)
+                        skipped += not sites.accept("fwd", t, forward_message(transitions[t - 1]), gamma)
                     else:
                         skipped += 1
                 if status[t] != ObservationStatus.MISSING:
@@ -205,18 +207,23 @@ class SequentialSchedule:
                     cavity = sites.marginal(t, "meas", alpha)
                     if bool(is_proper(cavity[1])):
                         partly = status[t] == ObservationStatus.PARTLY_OBSERVED
-                        update, measurements[t] = factors.measurement(cavity, ys[t], observed[t] if partly else None, t)
+                        update, measurements[t] = factors.measurement(cavity, ys[t], observed[t] if partly else None, t, alpha)
                         skipped += not sites.accept("meas", t, update, gamma)
                     else:
                         skipped += 1
-            transitions_kept[:] = [new or kept for new, kept in zip(transitions, transitions_kept)]
             for t in range(T - 2, -1, -1):
                 site = ("bwd", t)
-                if transitions[t] is None:  # its cavity was improper in the forward sweep
+                if alpha != 1.0:
+                    cavity = sites.marginal(t, "bwd", alpha)
+                    transitions[t] = factors.transition(cavity, t, alpha) if bool(is_proper(cavity[1])) else None
+                if transitions[t] is None:  # an improper cavity
                     skipped += 1
                     continue
-                message = backward_message(transitions[t], sites.marginal(t + 1, "fwd", alpha), alpha)
+                message = backward_message(transitions[t], sites.marginal(t + 1, "fwd"))
                 skipped += not sites.accept("bwd", t, message, gamma)
+            # The evidence's transition models: those of the backward messages, fitted at
+            # q(t) / q_bwd(t)^alpha (with alpha = 1 the forward messages' too).
+            transitions_kept[:] = [new or kept for new, kept in zip(transitions, transitions_kept)]
         except (NotPositiveDefiniteError, torch.linalg.LinAlgError) as error:
             kind, t = site
             raise ValueError(

@@ -109,7 +109,8 @@ def failure_hint(sweep: int | None) -> str:
     """What to try when EP fails in ``sweep`` (0-based; ``None``: the gradient's extra sweep)."""
     if sweep == 0:
         return (
-            "the first sweep is the Gaussian smoother of this projection, so the model diverged or a map returned "
+            "the first sweep is a Gaussian smoother of this projection (with power < 1, with scaled linearisation "
+            "errors), so the model diverged or a map returned "
             "non-finite values there: check the transition and observation maps at those states (an unstable model, "
             "a wrong map or time index), the scales of the covariances, or run in float64"
         )

@@ -84,8 +84,7 @@ def test_linear_gaussian_evidence_and_gradient_equal_kalman(gradient, max_iter, 
 
 
 def test_linear_gaussian_marginals_gradient_equals_rts():
-    # Not only the evidence: the smoothed means and covariances carry the implicit gradient. (With
-    # power < 1 the covariances are not the RTS ones: see test_power_ep_covariances_are_not_exact.)
+    # Not only the evidence: the smoothed means and covariances carry the implicit gradient.
     params = _linear_parameters(2)
     with torch.no_grad():
         _, ys = _linear(*params).simulate(20, generator=torch.Generator().manual_seed(3))
@@ -98,17 +97,17 @@ def test_linear_gaussian_marginals_gradient_equals_rts():
         assert torch.allclose(a, b, rtol=1e-8, atol=1e-8)
 
 
-def test_power_ep_means_are_exact_but_not_its_covariances():
-    # Power EP (alpha < 1) with factorised marginals has the fixed points of fractional belief
-    # propagation: on a linear-Gaussian chain the means are exact, the covariances are not. The
-    # first sweep (alpha = 1) is exact; the later ones move the covariances away.
+def test_power_ep_is_exact_on_a_linear_gaussian_model():
+    # Power EP updates the one-step factors of the chain (docs/math/ep.md#power-ep), which are
+    # Gaussian here: every power gives the RTS smoother, its means and covariances, from the
+    # first sweep on (tests/infer/gaussian/test_ep_power.py has the nonlinear cases).
     params = [p.detach() for p in _linear_parameters(2)]
     _, ys = _linear(*params).simulate(20, generator=torch.Generator().manual_seed(3))
     rts = _linear(*params).rts_smoother(ys)
     out = EPSmoother(_linear(*params), max_iter=100, power=0.7, tol=1e-12).smooth(ys)
     assert out.converged and torch.allclose(out.means, rts.means, atol=1e-10)
     assert torch.allclose(out.first_sweep.covariances, rts.covariances, atol=1e-10)
-    assert (out.covariances - rts.covariances).abs().max() > 1e-3
+    assert torch.allclose(out.covariances, rts.covariances, atol=1e-10)
 
 
 # --- nonlinear models: implicit = unrolled at convergence = finite differences ---------------
