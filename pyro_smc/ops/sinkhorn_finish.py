@@ -1,11 +1,10 @@
 """The end of a Sinkhorn solve: finished problems leaving the working set, and the result.
 
-See :mod:`pyro_smc.ops.sinkhorn_solver`, whose loop calls these. Problems that meet the stopping
-rule are recorded (potentials, diagnostics and, for callers that reuse it, the plan in factored
-form, :class:`PlanKernel`) and leave the loop: by copies of the working set (``compact``, on
-large batches, where the iterations saved outweigh the copies of cost and kernel) or by masks
-(``freeze``, on small ones: they stay in the batched products, their updates ignored).
-``finish`` fills in the problems still live when the loop ends.
+See :mod:`pyro_smc.ops.sinkhorn_solver`, whose loop calls these. On large batches, problems
+that meet the stopping rule are recorded (potentials, diagnostics and, for callers that reuse
+it, the plan in factored form, :class:`PlanKernel`) and leave the loop by copies of the working
+set (``compact``), whose later iterations are then cheaper. ``finish`` fills in the problems
+still in the working set when the loop ends.
 
 Example:
     >>> import math, torch
@@ -74,17 +73,15 @@ class PlanKernel(NamedTuple):
 @dataclass
 class Finished:
     """Potentials, diagnostics and (if kept) the factored plan over the whole batch; rows of
-    problems still live (batch indices ``active``; with masks, ``live``) are filled in by
-    ``finish``."""
+    problems still in the working set (batch indices ``active``) are filled in by ``finish``."""
 
-    active: Tensor  # with live: unused
+    active: Tensor
     f: Tensor
     g: Tensor
     converged: Tensor
     num_iterations: Tensor
     marginal_error: Tensor
     plan: PlanKernel | None
-    live: Tensor | None = None  # without dropping: the working set's live problems (bool)
 
 
 def potentials(w: Working, eps: float, rows: Tensor | slice = slice(None)) -> tuple[Tensor, Tensor]:
@@ -108,8 +105,11 @@ def compact(w: Working, out: Finished | None, done: Tensor, error: Tensor, iters
     compaction keeps the whole working kernel, which holds every finished problem's kernel."""
     finished, keep = done.nonzero().squeeze(-1), (~done).nonzero().squeeze(-1)
     if out is None:
-        out = freeze(w, None, done, error, iters, eps, keep_plan)
-        out.live, out.active = None, torch.arange(done.shape[0], device=done.device)
+        f, g = potentials(w, eps)
+        iterations = torch.full(done.shape, iters, dtype=torch.long, device=done.device)
+        plan = PlanKernel(w.kernel, w.u_exact.squeeze(1), w.v.squeeze(1)) if keep_plan else None
+        active = torch.arange(done.shape[0], device=done.device)
+        out = Finished(active, f, g, done.clone(), iterations, error.clone(), plan)
     rows = out.active[finished]
     record(w, out, rows, finished, eps)
     out.converged[rows] = True
@@ -120,42 +120,14 @@ def compact(w: Working, out: Finished | None, done: Tensor, error: Tensor, iters
     return out
 
 
-def freeze(w: Working, out: Finished | None, done: Tensor, error: Tensor, iters: int, eps: float, keep_plan: bool) -> Finished:
-    """Compaction without copies: the finished problems' results go to ``out`` by masks and the
-    problems stay in the working set, their later updates ignored (``out.live`` marks the others).
-    ``out`` holds the working kernel itself until an absorption replaces it."""
-    f, g = potentials(w, eps)
-    if out is None:
-        iterations = torch.full(done.shape, iters, dtype=torch.long, device=done.device)
-        plan = PlanKernel(w.kernel, w.u_exact.squeeze(1), w.v.squeeze(1)) if keep_plan else None
-        return Finished(torch.empty(0, dtype=torch.long), f, g, done.clone(), iterations, error.clone(), plan, ~done)
-    out.f, out.g = torch.where(done.unsqueeze(-1), f, out.f), torch.where(done.unsqueeze(-1), g, out.g)
-    out.converged |= done
-    out.num_iterations = torch.where(done, iters, out.num_iterations)
-    out.marginal_error = torch.where(done, error, out.marginal_error)
-    if out.plan is not None:
-        kernel = out.plan.kernel
-        if kernel is not w.kernel:
-            kernel[done] = w.kernel[done]
-        u, v = torch.where(done.unsqueeze(-1), w.u_exact.squeeze(1), out.plan.u), torch.where(done.unsqueeze(-1), w.v.squeeze(1), out.plan.v)
-        out.plan = PlanKernel(kernel, u, v)
-    out.live &= ~done
-    return out
-
-
 def finish(w: Working, out: Finished | None, done: Tensor, error: Tensor, iters: int, eps: float, keep_plan: bool) -> tuple[SinkhornResult, PlanKernel | None]:
     """The result over the whole flattened batch and (``keep_plan``) the factored plan."""
     if out is None:
         f, g = potentials(w, eps)
         plan = PlanKernel(w.kernel, w.u_exact.squeeze(1), w.v.squeeze(1)) if keep_plan else None
         return SinkhornResult(f, g, done, torch.full(done.shape, iters, dtype=torch.long, device=done.device), error), plan
-    if out.live is not None:
-        live = out.live.clone()
-        out = freeze(w, out, live, error, iters, eps, keep_plan)
-        out.converged &= done | ~live  # the live problems' verdicts are those of the last check
-    else:
-        record(w, out, out.active, slice(None), eps)
-        out.converged[out.active] = done
-        out.num_iterations[out.active] = iters
-        out.marginal_error[out.active] = error
+    record(w, out, out.active, slice(None), eps)
+    out.converged[out.active] = done
+    out.num_iterations[out.active] = iters
+    out.marginal_error[out.active] = error
     return SinkhornResult(out.f, out.g, out.converged, out.num_iterations, out.marginal_error), out.plan

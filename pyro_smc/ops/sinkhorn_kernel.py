@@ -11,7 +11,7 @@ the batched products with ``K``, the exact log-domain c-transform, and the handl
 whose mass underflows to zero (treated as empty, their scalings pinned to 1).
 
 Allocations: every ``(B, N, M)`` temporary is built in place where autograd allows
-(``log_kernel(...).exp_()``, ``baddbmm(...).clamp_min_(0)``). A batch of kernels is above glibc's
+(``stabilised_kernel``, ``baddbmm(...).clamp_min_(0)``). A batch of kernels is above glibc's
 mmap threshold (1.3 MB at 32 x 100 x 100 float32); two such temporaries freed together let the
 allocator return the memory to the system, and the next allocation faults in every page again:
 ``exp(cost * c)`` took 2.2 ms where ``(cost * c).exp_()`` took 0.45 ms (one thread, this
@@ -44,11 +44,23 @@ from torch import Tensor
 __all__: list[str] = []
 
 
-def log_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
-    """``(f_i + g_j - C_ij) / eps``, the log of the stabilised kernel (a fresh tensor, so callers
-    may finish it in place: ``log_kernel(...).exp_()``). ``f`` and ``g`` carry the batch shape of
-    ``cost``."""
-    return (f.unsqueeze(-1) + g.unsqueeze(-2)).sub_(cost).div_(eps)
+# exp(t) is computed as exp2(t * log2(e)): on CPU torch.exp over a (32, 100, 100) kernel took
+# 3x as long as torch.exp2 in float32 and 1.8x in float64 (270 against 92 us, 540 against
+# 296 us, one thread, this project's benchmark machine). The extra rounding of the scaled
+# exponent is |t| ulps relative, below 1e-5 in float32 for every entry that is not already
+# below 1e-38, far under the solver's marginal threshold.
+_LOG2E = 1.4426950408889634
+
+
+def stabilised_kernel(cost: Tensor, f: Tensor, g: Tensor, eps: float) -> Tensor:
+    """The stabilised kernel ``exp((f_i + g_j - C_ij) / eps)``, a fresh tensor built in place.
+    ``f`` and ``g`` carry the batch shape of ``cost``."""
+    return (f.unsqueeze(-1) + g.unsqueeze(-2)).sub_(cost).mul_(_LOG2E / eps).exp2_()
+
+
+def plain_kernel(cost: Tensor, eps: float) -> Tensor:
+    """``exp(-C / eps)``: the kernel with zero potentials, a fresh tensor built in place."""
+    return torch.mul(cost, -_LOG2E / eps).exp2_()
 
 
 def rowsum(kernel: Tensor, v: Tensor) -> Tensor:
@@ -170,7 +182,7 @@ def log_domain_update(
         f = torch.where(a_zero, torch.zeros_like(f), f)
     if b_zero is not None:
         g = torch.where(b_zero, torch.zeros_like(g), g)
-    return f, g, mask_kernel(log_kernel(cost, f, g, eps).exp_(), a_zero, b_zero)
+    return f, g, mask_kernel(stabilised_kernel(cost, f, g, eps), a_zero, b_zero)
 
 
 def complete_zero_mass(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -13,8 +13,8 @@ algorithm and its gradients), cut into the stages of one solve:
 4. ``_read``, ``_too_big`` / ``_absorb``: one host read of the errors per iteration, and the
    log-domain fallback when scalings overflow;
 5. ``_check_convergence``: the per-problem stopping rule;
-6. ``compact`` / ``freeze`` / ``finish`` (:mod:`pyro_smc.ops.sinkhorn_finish`): finished
-   problems leave the working set; potentials and the factored plan are read off the scalings.
+6. ``compact`` / ``finish`` (:mod:`pyro_smc.ops.sinkhorn_finish`): finished problems leave
+   the working set of a large batch; potentials and the factored plan are read off the scalings.
 
 :func:`forward_solve` runs them under whatever autograd mode is active and returns a
 :class:`SinkhornResult`: the potentials and, as detached per-problem diagnostics, whether each
@@ -48,12 +48,13 @@ from pyro_smc.ops.sinkhorn_kernel import (
     colsum,
     complete_zero_mass,
     log_domain_update,
-    log_kernel,
+    plain_kernel,
     mask_kernel,
     rowsum,
+    stabilised_kernel,
     zero_mass,
 )
-from pyro_smc.ops.sinkhorn_finish import Finished, PlanKernel, compact, finish, freeze
+from pyro_smc.ops.sinkhorn_finish import Finished, PlanKernel, compact, finish
 from pyro_smc.ops.sinkhorn_types import SinkhornResult, SinkhornSettings, warn_unconverged
 
 __all__ = ["forward_solve", "solve_with_plan", "PlanKernel"]
@@ -110,7 +111,7 @@ def _annealing_step(cost: Tensor, a: Tensor, b: Tensor, f: Tensor, g: Tensor, ep
     kernel-domain update per level is safe; ``log`` of an underflowed sum gives ``-inf``, which
     ``_anneal`` resets and the log-domain update of ``_start`` repairs.
     """
-    kernel = log_kernel(cost, f, g, eps).exp_()
+    kernel = stabilised_kernel(cost, f, g, eps)
     f_new = f - eps * torch.log(rowsum(kernel, b))
     g_new = g - eps * torch.log(colsum(kernel, a))
     return (f + f_new) / 2, (g + g_new) / 2
@@ -222,7 +223,7 @@ def _start(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, ann
     pin_a = None if a_zero is None else a_zero.to(cost.dtype).unsqueeze(1)
     pin_b = None if b_zero is None else b_zero.to(cost.dtype).unsqueeze(1)
     # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
-    kernel = log_kernel(cost, f, g, eps).exp_() if annealed else torch.mul(cost, -1.0 / eps).exp_()
+    kernel = stabilised_kernel(cost, f, g, eps) if annealed else plain_kernel(cost, eps)
     kernel = mask_kernel(kernel, a_zero, b_zero)
     sums = _pinned(_rows(kernel, b), pin_a)
     # Row sums above the smallest normal number, and finite (NaN fails both).
@@ -254,7 +255,7 @@ def _iteration(w: _Working, iters: int) -> Tensor:
     exact = torch.log(_pinned(_cols(w.kernel, au), w.pin_b))
     nlv = exact if w.omega is None else torch.lerp(w.nlv_prev, exact, w.omega)
     kv = _rows(w.kernel, w.b * torch.exp(-nlv))
-    err = torch.addcmul(w.a, au, kv, value=-1).abs().sum(-1)
+    err = torch.linalg.vector_norm(torch.addcmul(w.a, au, kv, value=-1), 1, -1)
     w.nlu_exact = torch.log(_pinned(kv, w.pin_a))
     if iters == _PLAIN_ITERS and _MAX_OMEGA > 1:
         w.omega = _relaxation(err.detach() / w.err_prev.detach())
@@ -271,9 +272,8 @@ def _read(w: _Working, err: Tensor) -> tuple[list[float], bool]:
     ``err`` stays finite when ``K v`` underflows, so ``a u`` is checked too: both in one sum (a
     non-finite term makes it non-finite; a sum that overflows from finite terms only costs an
     early absorption)."""
-    values = torch.cat((err.detach().reshape(-1), w.au.detach().sum().reshape(1))).tolist()
-    errors = values[:-1]
-    return errors, not math.isfinite(sum(errors) + values[-1])
+    errors, total = zip(*torch.cat((err, w.au.sum(-1)), -1).tolist())
+    return list(errors), not math.isfinite(sum(errors) + sum(total))
 
 
 def _too_big(w: _Working) -> bool:
@@ -294,23 +294,20 @@ def _absorb(w: _Working, eps: float, overflow: bool) -> None:
 
 
 def _check_convergence(
-    w: _Working, errors: list[float], threshold: float, live: list[bool] | None, acts: Callable[[int], bool]
+    w: _Working, errors: list[float], threshold: float, acts: Callable[[int], bool]
 ) -> tuple[list[bool], list[float], int]:
-    """The stopping rule: ``(done, error, num_done)`` per problem, as host lists; ``done`` only
-    among the ``live`` problems (all when ``None``).
+    """The stopping rule: ``(done, error, num_done)`` per problem, as host lists.
 
     A problem is done when its row error ``err`` is below ``threshold``. Once over-relaxed,
     ``v`` is not the exact column update, so the returned pair ``(u_exact, v)`` can miss the
     column marginal by far more than ``err`` says: its column error is checked too, and
     ``error`` is the larger of the two. That costs one more product with the kernel, so it is
     only taken when the loop ``acts`` on the verdicts of ``num_done`` row-converged problems
-    (stops, or freezes them, or has reached ``max_iter``): column checks can only lower the
+    (stops, or drops them, or has reached ``max_iter``): column checks can only lower the
     count, so the loop takes the same path as with a check on every iteration, with about
     three products with the kernel fewer per solve at 32 x 100.
     """
     done = [e < threshold for e in errors]
-    if live is not None:
-        done = [d and alive for d, alive in zip(done, live)]
     num_done = sum(done)
     if w.omega is not None and num_done and acts(num_done):
         bv = w.b * torch.exp(-w.nlv)
@@ -335,14 +332,15 @@ def forward_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhorn
     final epsilon the iterations run in the kernel domain (two batched mat-vecs each) on a kernel
     into which the current potentials are absorbed; scalings that grow too large are absorbed
     again by an exact log-domain update. The loop runs until every problem's marginal error is
-    below ``threshold``; problems that converge early keep iterating (which only makes them more
-    accurate) until, under ``no_grad``, half of the working set has converged, and then leave it
-    with the results of that iteration: on batches of at least ``_COMPACT_MIN_SIZE`` kernel
-    entries by copies of the working set, whose later iterations are then cheaper; on smaller
-    ones by masks, since copying the cost and the kernel there costs more than the iterations
-    it saves. With autograd on no problem leaves, so the graph stays a plain function of the
-    inputs. The loop ends on a row update: rows of the plan are exact, columns within
-    ``threshold``.
+    below ``threshold``. Problems that converge early keep iterating (which only makes them more
+    accurate); on batches of at least ``_COMPACT_MIN_SIZE`` kernel entries and under ``no_grad``
+    they leave the working set with the results of that iteration once half of it has
+    converged (copies of the working set, whose later iterations are then cheaper). On smaller
+    batches the copies cost more than the iterations they save, and all problems run to the
+    end; each one's ``num_iterations`` is then the iteration from which it met the rule (under
+    ``no_grad``). With autograd on no problem leaves, so the graph stays a plain function of
+    the inputs. The loop
+    ends on a row update: rows of the plan are exact, columns within ``threshold``.
 
     Args:
         cost: cost matrices ``(..., N, M)``.
@@ -353,7 +351,8 @@ def forward_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhorn
 
     Returns:
         The :class:`SinkhornResult` over the batch shape of ``cost``; the largest entry of
-        ``num_iterations`` is the number of iterations the loop ran at the final epsilon.
+        ``num_iterations`` is (but for an absorption on the loop's second-to-last iteration)
+        the number of iterations the loop ran at the final epsilon.
 
     Example:
         >>> import math, torch
@@ -394,15 +393,15 @@ def solve_with_plan(
     f, g, annealed = _anneal(cost, log_a, log_b, epsilon, settings.scaling)
     w = _start(cost, log_a, log_b, f, g, annealed, epsilon)
     pinned = w.a_zero is not None or w.b_zero is not None
-    # Converged problems leave the working set under no_grad (see the docstring); they are
-    # dropped from it (copies of cost and kernel) only on large batches.
-    leave = not torch.is_grad_enabled()
-    drop = cost.numel() >= _COMPACT_MIN_SIZE
+    # Converged problems leave the working set only under no_grad and on large batches (see
+    # the docstring); on small ones they keep iterating with the rest.
+    leave = not torch.is_grad_enabled() and cost.numel() >= _COMPACT_MIN_SIZE
     out: Finished | None = None
     # Per-problem verdicts and errors travel as host lists: one read per iteration (_read)
     # instead of a reduction, a comparison and a read for each question asked of them.
     done: list[bool] | None = None  # None: the last iteration ended in an absorption
-    live: list[bool] | None = None  # with masks: the problems not yet frozen
+    # Small batches under no_grad: the iteration from which each problem has met the rule.
+    met: list[int] | None = None if leave or torch.is_grad_enabled() else [0] * cost.shape[0]
     num_live = cost.shape[0]
     iters = 0
     while iters < max_iter:
@@ -414,24 +413,25 @@ def solve_with_plan(
             done = None
             continue
         done, error, num_done = _check_convergence(
-            w, error, threshold, live, lambda k, n=num_live, i=iters: k == n or (leave and 2 * k >= n) or i == max_iter
+            w, error, threshold, lambda k, n=num_live, i=iters: k == n or (leave and 2 * k >= n) or i == max_iter
         )
+        if met is not None:
+            met = [(k or iters) if d else 0 for k, d in zip(met, done)]
         if num_done == num_live:
             break
         if leave and 2 * num_done >= num_live:
             num_live -= num_done
             flags, errors = _tensor(done, torch.bool, err), _tensor(error, err.dtype, err)
-            if drop:
-                out = compact(w, out, flags, errors, iters, epsilon, keep_plan)
-                done, error = [d for d in done if not d], [e for d, e in zip(done, error) if not d]
-            else:
-                out = freeze(w, out, flags, errors, iters, epsilon, keep_plan)
-                live = [not d for d in done] if live is None else [lv and not d for lv, d in zip(live, done)]
+            out = compact(w, out, flags, errors, iters, epsilon, keep_plan)
+            done, error = [d for d in done if not d], [e for d, e in zip(done, error) if not d]
     else:
-        warn_unconverged(err if live is None else err[_tensor(live, torch.bool, err)], threshold, max_iter, stacklevel)
+        warn_unconverged(err, threshold, max_iter, stacklevel)
     done = _tensor([False] * len(error) if done is None else done, torch.bool, err)
     error = _tensor(error, err.dtype, err)
     result, plan = finish(w, out, done, error, iters, epsilon, keep_plan)
+    if met is not None:
+        met = _tensor([k or iters for k in met], torch.long, err)
+        result = result._replace(num_iterations=torch.where(result.converged, met, iters))
     f, g = result.f, result.g
     if pinned:
         f, g = complete_zero_mass(cost, log_a, log_b, f, g, epsilon)

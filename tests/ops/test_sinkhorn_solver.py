@@ -1,5 +1,5 @@
 """The forward solver's paths: the factored plan it hands to the ensemble transform, compaction by
-masks (small batches) and by copies (large ones), and the log-domain absorption when scalings
+copies (large batches), and the log-domain absorption when scalings
 overflow, in float32 and float64. Oracle: the plan rebuilt from the returned potentials
 (``transport_plan``), and the exact marginals."""
 
@@ -48,9 +48,8 @@ def _count_absorptions(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("drop", [False, True], ids=["masks", "copies"])
 def test_the_factored_plan_is_the_plan_of_the_returned_potentials(dtype, drop, monkeypatch):
-    """Problems converge at different iterations and leave the working set (by masks on small
-    batches, by copies on large ones: both forced here); each keeps the plan of its own
-    potentials, and both compactions give the same result."""
+    """Problems converge at different iterations (and, on large batches, leave the working set
+    by copies; both sizes forced here); each keeps the plan of its own potentials."""
     monkeypatch.setattr(solver, "_COMPACT_MIN_SIZE", 0 if drop else 1 << 62)
     cost, log_a, log_b = _problem(dtype)
     settings = SinkhornSettings(0.1, threshold=1e-6 if dtype == torch.float64 else 1e-4, max_iter=5000)
@@ -68,9 +67,12 @@ def test_the_factored_plan_is_the_plan_of_the_returned_potentials(dtype, drop, m
     monkeypatch.setattr(solver, "_COMPACT_MIN_SIZE", 1 << 62 if drop else 0)
     with torch.no_grad():
         other, other_plan = solver.solve_with_plan(cost, log_a, log_b, settings)
-    for a, b in zip(result, other):
-        assert torch.equal(a, b)
-    assert torch.allclose(_factored(other_plan, log_a, log_b), factored, rtol=0, atol=tol)
+    # Copies stop each problem at its compaction, masks run every problem to the end: two
+    # solutions of the same fixed point, each within the threshold.
+    assert torch.equal(result.converged, other.converged)
+    other_factored = _factored(other_plan, log_a, log_b)
+    assert (other_factored.sum(-2) - log_b.exp()).abs().sum(-1).max() < settings.threshold
+    assert (other_factored - factored).abs().sum((-1, -2)).max() < 2 * settings.threshold
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -117,5 +117,5 @@ def test_ot_resampler_small_epsilon_preserves_the_weighted_mean(dtype, epsilon):
 
 @pytest.mark.parametrize("bad", [-math.inf, math.nan], ids=["all_-inf", "nan"])
 def test_ot_resampler_rejects_invalid_log_weights(bad):
-    with pytest.raises(ValueError, match="log_a and log_b"):
+    with pytest.raises(ValueError, match="log_weights must sum to one"):
         OTResampler(0.5)({"x": torch.randn(2, 6, 1)}, torch.full((2, 6), bad))
