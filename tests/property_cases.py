@@ -37,7 +37,7 @@ F32, F64 = torch.float32, torch.float64
 FLOAT_DTYPES = st.sampled_from([F32, F64])
 SEEDS = st.integers(0, 2**31 - 1)
 BATCH = st.lists(st.integers(1, 3), max_size=2).map(tuple)
-RESAMPLING_SCHEMES = st.sampled_from([resample.systematic, resample.stratified, resample.multinomial])
+RESAMPLING_SCHEMES = st.sampled_from([resample.systematic, resample.stratified, resample.multinomial, resample.residual])
 
 
 def gen(seed):

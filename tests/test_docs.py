@@ -20,7 +20,7 @@ PUBLIC = {
     "pyro_smc.infer.pmcmc": ["PMMH", "ParticleGibbs", "AdaptiveRandomWalk", "ConditionalSMC", "Trajectory", "trajectory_log_density"],
     "pyro_smc.infer.smc2": ["SMC2", "SMC2Result"],
     "pyro_smc.infer.static_parameters": ["StaticParameters"],
-    "pyro_smc.resamplers": ["MultinomialResampler", "SystematicResampler", "StratifiedResampler", "SoftResampler", "OTResampler"],
+    "pyro_smc.resamplers": ["MultinomialResampler", "ResidualResampler", "SystematicResampler", "StratifiedResampler", "SoftResampler", "OTResampler"],
     "pyro_smc.models": ["LinearGaussianSSM", "NonlinearGaussianSSM", "DiagonalLinearGaussianSSM", "ChaoticRNN", "NeuralSSM", "NeuralProposal", "Lorenz96SSM"],
     "pyro_smc.gp": ["MultiOutputGP"],
     "pyro_smc.distributions": ["MatrixNormal"],

@@ -18,7 +18,7 @@ from pyro_smc import SMC, EPSmoother, OnlineVariationalFilter, SMCELBO
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.infer import unscented_rts_smoother
 from pyro_smc.models import DiagonalLinearGaussianSSM, LinearGaussianSSM, NonlinearGaussianSSM
-from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
+from pyro_smc.resamplers import MultinomialResampler, OTResampler, ResidualResampler, SoftResampler, StratifiedResampler, SystematicResampler
 
 from .cases import ar1_ssm
 
@@ -37,7 +37,11 @@ def _evidence_ratios(ssm, ys, resampler, num_filters=4000, seed=0):
     return (smc.log_evidence - ssm.log_evidence(ys)).exp()
 
 
-@pytest.mark.parametrize("resampler", [SystematicResampler(), StratifiedResampler(), MultinomialResampler()], ids=["systematic", "stratified", "multinomial"])
+@pytest.mark.parametrize(
+    "resampler",
+    [SystematicResampler(), StratifiedResampler(), MultinomialResampler(), ResidualResampler()],
+    ids=["systematic", "stratified", "multinomial", "residual"],
+)
 def test_index_resampling_evidence_estimate_is_unbiased(resampler):
     """docs/engines/smc.md, resampler table: ``SystematicResampler()`` (default),
     ``StratifiedResampler()``, ``MultinomialResampler()`` -- "unbiased ``Z_hat``".

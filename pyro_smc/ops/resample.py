@@ -2,7 +2,9 @@ r"""Ancestor indices for unbiased resampling schemes.
 
 Each scheme maps normalised log-weights ``(..., N)`` to ancestor indices ``(..., N)`` (int64)
 such that :math:`\mathbb E[\#\{i : A^i = j\}] = N w_j`. The batch dimensions are independent filters.
-Systematic resampling has the lowest variance of the three and is the default of ``SMC``.
+Systematic resampling has the lowest variance in practice and is the default of ``SMC``;
+residual resampling keeps :math:`\lfloor N w_j \rfloor` copies of each particle for certain and
+draws the rest multinomially.
 :func:`stop_gradient_log_weights` gives the new log-weights of stop-gradient resampling, and
 :func:`log_mixture_density` the marginal (mixture) transition log-density of the marginal
 stop-gradient estimator. :func:`kernel_mixture_log_density` is the log-density of a weighted
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from pyro_smc.ops.weights import check_log_weights
 
-__all__ = ["SCHEMES", "resample_where", "multinomial", "stratified", "systematic", "inverse_cdf", "weighted_quantiles", "stop_gradient_log_weights", "log_mixture_density", "kernel_mixture_log_density"]
+__all__ = ["SCHEMES", "resample_where", "multinomial", "residual", "stratified", "systematic", "inverse_cdf", "weighted_quantiles", "stop_gradient_log_weights", "log_mixture_density", "kernel_mixture_log_density"]
 
 
 # Below this many weights the binary search of inverse_cdf is the faster systematic resampler
@@ -120,6 +122,46 @@ def _multinomial(lw: Tensor, generator: Optional[torch.Generator] = None) -> Ten
     n = lw.shape[-1]
     index = torch.multinomial(torch.exp(lw).reshape(-1, n), n, replacement=True, generator=generator)
     return index.reshape(lw.shape)
+
+
+def residual(log_weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    r"""Residual resampling: :math:`\lfloor N w_j \rfloor` copies of each particle, and the
+    :math:`R = N - \sum_j \lfloor N w_j \rfloor` others drawn i.i.d. from the residual weights
+    :math:`(N w_j - \lfloor N w_j \rfloor) / R` (Liu and Chen, 1998). Each particle's number of
+    copies has mean :math:`N w_j` and lies between :math:`\lfloor N w_j \rfloor` and
+    :math:`\lfloor N w_j \rfloor + R`; its variance is that of multinomial resampling of the
+    residuals alone. See ``docs/math/smc.md#index-resampling``.
+
+    Arguments, returns and errors as for :func:`~pyro_smc.ops.resample.multinomial`.
+
+    Example:
+        >>> lw = torch.tensor([0.5, 0.25, 0.25, 0.0]).log()
+        >>> # N w is whole: the copies are certain
+        >>> torch.bincount(residual(lw), minlength=4).tolist()
+        [2, 1, 1, 0]
+    """
+    check_log_weights(log_weights)
+    return _residual(log_weights.detach(), generator)
+
+
+def _residual(lw: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    n = lw.shape[-1]
+    expected = torch.exp(lw) * n
+    copies = expected.floor()
+    rest = expected - copies
+    counts = copies.long()
+    certain = counts.sum(-1, keepdim=True)  # (..., 1): positions below it are the certain copies
+    position = torch.arange(n, device=lw.device).expand(lw.shape).contiguous()
+    # Position k < certain copies the particle whose running count first exceeds k.
+    kept = torch.searchsorted(counts.cumsum(-1), position, right=True)
+    # The others: i.i.d. draws from the residual weights, the (k - certain)-th for position k.
+    # A filter with no residual mass (every N w_j whole) uses none of them; its row is drawn
+    # from equal weights so that torch.multinomial never sees an all-zero row.
+    empty = rest.sum(-1, keepdim=True) <= 0
+    rest = torch.where(empty, torch.ones_like(rest), rest)
+    drawn = torch.multinomial(rest.reshape(-1, n), n, replacement=True, generator=generator).reshape(lw.shape)
+    drawn = drawn.gather(-1, (position - certain).clamp(min=0))
+    return torch.where(position < certain, kept, drawn).clamp(max=n - 1)
 
 
 def stratified(log_weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -216,7 +258,7 @@ def stop_gradient_log_weights(log_weights: Tensor, index: Tensor) -> Tensor:
 
 
 #: The index schemes :func:`resample_where` draws by, and their codes.
-SCHEMES = {"systematic": 0, "stratified": 1, "multinomial": 2}
+SCHEMES = {"systematic": 0, "stratified": 1, "multinomial": 2, "residual": 3}
 
 
 def resample_where(
@@ -266,6 +308,8 @@ def _ancestors(lw: Tensor, scheme: int, search_below: int) -> Tensor:
         return _systematic(lw, None, search_below)
     if scheme == 1:
         return _stratified(lw, None)
+    if scheme == 3:
+        return _residual(lw, None)
     return _multinomial(lw, None)
 
 

@@ -14,8 +14,8 @@ its leading dimensions are independent filters. Each state tensor has shape
 (the ancestors it drew, a solver's diagnostics) comes back in the :class:`Resampled`; a
 resampler keeps no record of its last call.
 
-* :class:`MultinomialResampler`, :class:`StratifiedResampler`, :class:`SystematicResampler`
-  (``pyro_smc.resamplers.index``, shared docs on :class:`IndexResampler`): unbiased index
+* :class:`MultinomialResampler`, :class:`ResidualResampler`, :class:`StratifiedResampler`,
+  :class:`SystematicResampler` (``pyro_smc.resamplers.index``, shared docs on :class:`IndexResampler`): unbiased index
   resampling; they return ancestors.
 * :class:`SoftResampler` (``pyro_smc.resamplers.soft``): Karkus et al. (2018); keeps part
   of the weight gradient.
@@ -80,7 +80,7 @@ Example:
 """
 
 from pyro_smc.resamplers.base import GradientEstimator, Resampled, Resampler, estimator_of, resample
-from pyro_smc.resamplers.index import INDEX_GRADIENT_MODES, IndexResampler, MultinomialResampler, StratifiedResampler, SystematicResampler
+from pyro_smc.resamplers.index import INDEX_GRADIENT_MODES, IndexResampler, MultinomialResampler, ResidualResampler, StratifiedResampler, SystematicResampler
 from pyro_smc.resamplers.diffusion import DiffusionResampler
 from pyro_smc.resamplers.kernel import KernelResampler
 from pyro_smc.resamplers.ot import OTResampler
@@ -95,6 +95,7 @@ __all__ = [
     "estimator_of",
     "IndexResampler",
     "MultinomialResampler",
+    "ResidualResampler",
     "StratifiedResampler",
     "SystematicResampler",
     "SoftResampler",

@@ -1,8 +1,9 @@
 """Index resampling: each new particle is a copy of one ancestor drawn from the weights.
 
 See ``docs/math/smc.md#index-resampling``, ``docs/math/smc.md#stop-gradient-resampling`` and
-``docs/math/smc.md#marginal-stop-gradient``. The three schemes (:class:`MultinomialResampler`,
-:class:`StratifiedResampler`, :class:`SystematicResampler`) share everything but how the
+``docs/math/smc.md#marginal-stop-gradient``. The four schemes (:class:`MultinomialResampler`,
+:class:`ResidualResampler`, :class:`StratifiedResampler`, :class:`SystematicResampler`) share
+everything but how the
 ancestors are drawn (:mod:`pyro_smc.ops.resample`); their shared contract, arguments and
 gradient estimators are documented once, on :class:`IndexResampler`.
 
@@ -25,7 +26,7 @@ from torch import Tensor
 from pyro_smc.ops import resample as schemes
 from pyro_smc.resamplers.base import GradientEstimator, Particles, Resampled, Resampler, check_particles, gather
 
-__all__ = ["INDEX_GRADIENT_MODES", "IndexResampler", "index_scheme", "MultinomialResampler", "StratifiedResampler", "SystematicResampler"]
+__all__ = ["INDEX_GRADIENT_MODES", "IndexResampler", "index_scheme", "MultinomialResampler", "ResidualResampler", "StratifiedResampler", "SystematicResampler"]
 
 #: The ``gradient=`` modes of the index resamplers, each naming the SMC gradient estimator.
 INDEX_GRADIENT_MODES = ("detach", "stop_gradient", "marginal_stop_gradient")
@@ -129,7 +130,7 @@ class IndexResampler(Resampler):
 def index_scheme(resampler: object) -> tuple[int, bool, int] | None:
     """How a replayed step of :class:`~pyro_smc.SMC` may resample without calling ``resampler``,
     by :func:`~pyro_smc.ops.resample.resample_where`: ``(scheme code, stop_gradient, search
-    threshold)`` for the three index resamplers of this module as they are (``gradient=`` of
+    threshold)`` for the four index resamplers of this module as they are (``gradient=`` of
     ``"detach"`` or ``"stop_gradient"``; no subclass's own ``resample``); ``None`` for any other
     resampler, which the engine calls.
 
@@ -174,6 +175,36 @@ class MultinomialResampler(IndexResampler):
     """
 
     scheme = staticmethod(schemes.multinomial)
+
+
+class ResidualResampler(IndexResampler):
+    r"""Residual resampling: :math:`\lfloor N w_i \rfloor` copies of each particle for certain, the
+    remaining :math:`R` drawn multinomially from the residual weights (Liu and Chen, 1998; the
+    ``"residual"`` scheme of ``particles``).
+
+    Each particle's number of copies has mean :math:`N w_i` and the variance of a multinomial
+    draw of :math:`R` from the residuals, never more than multinomial resampling's. Arguments,
+    returns and ``gradient=`` as for :class:`IndexResampler`.
+
+    Example:
+        A particle of weight :math:`w_i \ge k / N` always keeps at least :math:`k` copies:
+
+        >>> import torch
+        >>> from pyro_smc.resamplers import ResidualResampler
+        >>> _ = torch.manual_seed(0)
+        >>> w = torch.tensor([0.6, 0.3, 0.1, 0.0]).expand(1000, 4)
+        >>> x = torch.arange(4.0).expand(1000, 4)
+        >>> out = ResidualResampler().resample({"x": x}, w.log())
+        >>> # (1000, 4)
+        >>> copies = torch.stack([(out.ancestors == i).sum(-1) for i in range(4)], -1)
+        >>> copies.min(0).values.tolist()  # floor(N w) = 2, 1, 0, 0
+        [2, 1, 0, 0]
+        >>> # mean N w, s.e. <= 0.02
+        >>> bool(((copies.float().mean(0) - 4 * w[0]).abs() < 0.1).all())
+        True
+    """
+
+    scheme = staticmethod(schemes.residual)
 
 
 class StratifiedResampler(IndexResampler):

@@ -10,7 +10,7 @@ from pyro_smc.ops.weights import normalize
 from tests.cases import DTYPE_IDS, DTYPES
 from tests.property_cases import BATCH, BUG, F32, F64, FLOAT_DTYPES, PROPERTY, RESAMPLING_SCHEMES, SEEDS, gen, random_log_weights
 
-SCHEMES = [resample.multinomial, resample.stratified, resample.systematic]
+SCHEMES = [resample.multinomial, resample.residual, resample.stratified, resample.systematic]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -98,10 +98,15 @@ def test_index_resampling(batch, n, dtype, seed, scheme, scale, zero_fraction):
     assert idx.shape == lw.shape and idx.dtype == torch.int64
     assert ((idx >= 0) & (idx < n)).all()
     assert torch.isfinite(lw.gather(-1, idx)).all()  # a zero-weight particle is never an ancestor
-    if scheme is not resample.multinomial:
+    if scheme in (resample.stratified, resample.systematic):
         # Inverse-CDF schemes on sorted points: ancestors are sorted, and systematic resampling
         # gives every particle floor(N w) or ceil(N w) offspring (up to the rounding of N w).
         assert (idx.diff(dim=-1) >= 0).all()
+    if scheme is resample.residual:
+        # at least floor(N w) offspring each (up to the rounding of N w)
+        counts = torch.zeros(lw.shape, dtype=F64).scatter_add_(-1, idx, torch.ones(lw.shape, dtype=F64))
+        slack = 1e-3 if dtype == F32 else 1e-9
+        assert (counts >= (n * lw.double().exp() - slack).floor()).all()
     if scheme is resample.systematic:
         counts = torch.zeros(lw.shape, dtype=F64).scatter_add_(-1, idx, torch.ones(lw.shape, dtype=F64))
         expected = n * lw.double().exp()
@@ -117,7 +122,7 @@ def test_index_resampling_of_equal_weights(batch, n, dtype, seed, scheme):
     torch.manual_seed(seed)
     idx = scheme(lw)
     assert idx.shape == lw.shape and ((idx >= 0) & (idx < n)).all()
-    if scheme is not resample.multinomial:
+    if scheme in (resample.stratified, resample.systematic):
         assert torch.equal(idx, torch.arange(n).expand(lw.shape))
 
 
@@ -239,3 +244,37 @@ def test_resample_where_draws_and_copies_as_the_scheme_on_the_rows_that_need_it(
         (grad,) = torch.autograd.grad(new_lw[need].sum(), log_w)
         (want,) = torch.autograd.grad(expected_lw[need].sum(), log_w)
         assert torch.equal(grad, want) and grad.abs().sum() > 0
+
+
+def test_residual_offspring_counts_have_the_exact_law():
+    """Residual resampling: particle j gets floor(N w_j) copies for certain plus a
+    Binomial(R, r_j / R) share of the R = N - sum floor(N w) residual draws. The sample mean and
+    variance of the counts against those exact moments, with 5-sigma error bars (the variance's
+    from the counts' fourth moment)."""
+    torch.manual_seed(3)
+    n, reps = 8, 40000
+    w = torch.tensor([0.31, 0.22, 0.15, 0.1, 0.1, 0.07, 0.04, 0.01], dtype=torch.float64)
+    idx = resample.residual(w.log().expand(reps, n))
+    counts = torch.zeros(reps, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(reps, n, dtype=torch.float64))
+    floor = (n * w).floor()
+    rest = n * w - floor
+    r = n - floor.sum()
+    assert bool((counts >= floor).all()) and bool((counts <= floor + r).all())
+    mean, var = floor + rest, r * (rest / r) * (1 - rest / r)
+    centred = counts - counts.mean(0)
+    var_se = ((centred**2 - centred.pow(2).mean(0)).std(0)) / math.sqrt(reps)
+    assert ((counts.mean(0) - mean).abs() <= 5 * counts.std(0) / math.sqrt(reps) + 1e-12).all()
+    assert ((counts.var(0) - var).abs() <= 5 * var_se + 1e-12).all()
+    # and never more spread than multinomial resampling, N w_j (1 - w_j)
+    assert bool((var <= n * w * (1 - w) + 1e-12).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_residual_whole_counts_are_deterministic(dtype):
+    """When every N w_j is whole (no residual mass) the copies are exactly N w_j, in every
+    filter of a batch, and no draw is asked of an all-zero residual row."""
+    w = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=dtype)
+    for _ in range(20):
+        idx = resample.residual(w.log())
+        counts = torch.zeros(2, 4, dtype=dtype).scatter_add_(1, idx, torch.ones(2, 4, dtype=dtype))
+        assert torch.equal(counts, 4 * w)

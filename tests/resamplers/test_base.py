@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pyro_smc.ops.ensemble import ensemble_transform
 from pyro_smc.ops.weights import normalize
-from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
+from pyro_smc.resamplers import MultinomialResampler, OTResampler, ResidualResampler, SoftResampler, StratifiedResampler, SystematicResampler
 from tests.cases import DTYPE_IDS, ulp
 from tests.property_cases import FLOAT_DTYPES, PROPERTY, SEEDS, eps, gen, random_log_weights
 
@@ -83,7 +83,7 @@ def test_resamplers(filters, n, dtype, seed, kind, epsilon, event, scale, zero_f
     assert (err <= (col + row) * x.abs().amax((-1, -2)) + slack * n).all()
 
 
-INDEX_RESAMPLERS = [SystematicResampler, StratifiedResampler, MultinomialResampler]
+INDEX_RESAMPLERS = [SystematicResampler, StratifiedResampler, MultinomialResampler, ResidualResampler]
 
 
 @pytest.mark.parametrize("resampler", INDEX_RESAMPLERS + [OTResampler], ids=lambda r: r.__name__)

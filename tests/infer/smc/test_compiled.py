@@ -18,7 +18,7 @@ from pyro_smc.ops.resample import resample_where
 from pyro_smc.infer.smc import advance, replay, replay_loop
 from pyro_smc.infer.smc import engine as engine_module
 from pyro_smc.infer.smc.replay_loop import run_replayed
-from pyro_smc.resamplers import MultinomialResampler, OTResampler, StratifiedResampler, SystematicResampler
+from pyro_smc.resamplers import MultinomialResampler, OTResampler, ResidualResampler, StratifiedResampler, SystematicResampler
 
 T = 30
 
@@ -112,7 +112,7 @@ class Mixed:
 
 @pytest.mark.parametrize(
     "model, resampler",
-    [(model, resampler) for model in (AR, Mixed) for resampler in (SystematicResampler(), StratifiedResampler(), MultinomialResampler())]
+    [(model, resampler) for model in (AR, Mixed) for resampler in (SystematicResampler(), StratifiedResampler(), MultinomialResampler(), ResidualResampler())]
     # A discrete site's score terms read a tensor as a Python value: not compiled (a fallback).
     + [(AR, StratifiedResampler(gradient="stop_gradient"))],
     ids=lambda value: value.__name__.lower() if isinstance(value, type) else f"{type(value).__name__}-{value.gradient}",

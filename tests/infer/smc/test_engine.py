@@ -12,7 +12,7 @@ from pyro_smc import SMC
 from pyro_smc.infer.smc import SMCFailedError
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.models import LinearGaussianSSM
-from pyro_smc.resamplers import MultinomialResampler, OTResampler, SoftResampler, StratifiedResampler, SystematicResampler
+from pyro_smc.resamplers import MultinomialResampler, OTResampler, ResidualResampler, SoftResampler, StratifiedResampler, SystematicResampler
 from tests.cases import isotropic_lgssm
 from tests.infer.paper_model import DiagLinearGaussian, kalman_log_evidence, simulate
 from tests.tolerances import MC_SIGMAS
@@ -241,7 +241,7 @@ def test_resampling_happens_only_in_filters_below_threshold():
 
 @pytest.mark.parametrize(
     "resampler",
-    [MultinomialResampler(), StratifiedResampler(), SystematicResampler(), SoftResampler(0.5), OTResampler(0.5)],
+    [MultinomialResampler(), ResidualResampler(), StratifiedResampler(), SystematicResampler(), SoftResampler(0.5), OTResampler(0.5)],
     ids=lambda r: type(r).__name__,
 )
 def test_every_resampler_runs_and_keeps_gradients(resampler):
