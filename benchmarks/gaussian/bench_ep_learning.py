@@ -15,9 +15,9 @@ number of steps for every method:
 Methods (all: ``torch.optim.Adam`` on ``-log_evidence / T`` over the same unconstrained
 parameters, the same learning rate and number of steps):
 
-* ``ep``: ``EPSmoother(projection="unscented", gradient="implicit")`` with the settings under
-  which the EP benchmarks converge (UNGM: power 0.9, damping 0.9, the anchor sigma points of
-  bench_ep_growth; pendulum: plain EP), fitted with ``pyro_smc.infer.fit_evidence``.
+* ``ep``: ``EPSmoother(projection="unscented", gradient="implicit")`` with the settings of the
+  EP benchmarks (UNGM: power 0.9, damping 0.9, the anchor sigma points of bench_ep_growth, where
+  EP does not converge; pendulum: plain EP), fitted with ``pyro_smc.infer.fit_evidence``.
 * ``ep_parallel``: the same EP (same projection, ``tol``, implicit gradient) with
   ``schedule="parallel"`` (every factor refitted at its cavity in one batched projection, then the
   fitted chain solved by the parallel-scan Kalman smoother; same fixed points as plain EP), at most
@@ -45,13 +45,16 @@ There is no exact maximum-likelihood estimate for these models; the ``ep`` row *
 of the EP evidence (reported against the truth), and the held-out particle-filter likelihood at
 the true parameters is the reference for the yardstick.
 
-Run: ``python benchmarks/gaussian/bench_ep_learning.py`` (``--quick`` for a smoke run).
+Run: ``python benchmarks/gaussian/bench_ep_learning.py`` (``--quick`` for a smoke run;
+``--models ungm`` reruns one model and keeps the other's results in the JSON, under
+``kept_models`` with the run they come from).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import statistics
 import sys
@@ -63,7 +66,7 @@ import torch
 from pyro.nn import PyroModule, PyroParam
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks` imports as a package
-from benchmarks._common import add_common_args, f2, f3, g3, met_summary, print_table, progress, ratio, setup, write_results
+from benchmarks._common import add_common_args, f2, f3, g3, met_summary, print_table, progress, ratio, result_path, setup, write_results
 from benchmarks.gaussian import bench_ep_growth as growth
 from benchmarks.gaussian import bench_ep_pendulum as pend
 from pyro_smc import SMC, EPSmoother
@@ -508,33 +511,50 @@ def main():
                     title=f"{model}: EP gradient memory at the truth (saved tensors of one evaluation)")
     wall = time.perf_counter() - wall
     print(f"\ntotal wall time {wall:.0f} s")
-    write_results(
-        "ep_learning",
-        {
-            "settings": {
-                "models": models, "T": lengths, "seeds": {m: MODELS[m]["seeds"][: args.datasets] for m in models},
-                "heldout_seed": {m: MODELS[m]["heldout_seed"] for m in models},
-                "truth": {m: MODELS[m]["truth"] for m in models}, "start": {m: MODELS[m]["start"] for m in models},
-                "optimizer": f"torch.optim.Adam(lr={args.lr}) on -log_evidence / T, all methods", "steps": args.steps,
-                "ep": {m: dict(MODELS[m]["ep"], max_iter=args.max_iter, tol=args.tol, gradient="implicit") for m in models},
-                "ep_parallel": {m: dict(MODELS[m]["ep_parallel"], schedule="parallel", max_iter=args.parallel_max_iter, tol=args.tol, gradient="implicit",
-                                        warm_start=True) for m in models},
-                "warm_start": "fit_evidence(warm_start=True) for every EP method",
-                "projection": {"ungm": "Unscented(transition=alpha 1 beta 2 kappa 3, observation=alpha 1 beta 2 kappa 2)",
-                               "pendulum": "Unscented() (alpha 1, beta 0, kappa 3 - n)"},
-                "smc_ot": {"num_particles": args.particles, "num_filters": 1, "resampler": f"OTResampler(epsilon={args.epsilon})", "proposal": "bootstrap"},
-                "yardstick": {"num_particles": args.eval_particles, "num_filters": args.eval_filters, "resampler": "systematic"},
-                "ep_unrolled": {"ungm": f"max_iter={args.unrolled_sweeps} sweeps always (tol 1e-300), gradient='unroll'"},
-                "memory_configs": {m: MODELS[m]["memory_configs"] for m in models},
-            },
-            "results": results,
-            "aggregate": aggregate,
-            "memory": memory,
-            "wall_s": wall,
+    payload = {
+        "settings": {
+            "models": models, "T": lengths, "seeds": {m: MODELS[m]["seeds"][: args.datasets] for m in models},
+            "heldout_seed": {m: MODELS[m]["heldout_seed"] for m in models},
+            "truth": {m: MODELS[m]["truth"] for m in models}, "start": {m: MODELS[m]["start"] for m in models},
+            "optimizer": f"torch.optim.Adam(lr={args.lr}) on -log_evidence / T, all methods", "steps": args.steps,
+            "ep": {m: dict(MODELS[m]["ep"], max_iter=args.max_iter, tol=args.tol, gradient="implicit") for m in models},
+            "ep_parallel": {m: dict(MODELS[m]["ep_parallel"], schedule="parallel", max_iter=args.parallel_max_iter, tol=args.tol, gradient="implicit",
+                                    warm_start=True) for m in models},
+            "warm_start": "fit_evidence(warm_start=True) for every EP method",
+            "projection": {"ungm": "Unscented(transition=alpha 1 beta 2 kappa 3, observation=alpha 1 beta 2 kappa 2)",
+                           "pendulum": "Unscented() (alpha 1, beta 0, kappa 3 - n)"},
+            "smc_ot": {"num_particles": args.particles, "num_filters": 1, "resampler": f"OTResampler(epsilon={args.epsilon})", "proposal": "bootstrap"},
+            "yardstick": {"num_particles": args.eval_particles, "num_filters": args.eval_filters, "resampler": "systematic"},
+            "ep_unrolled": {"ungm": f"max_iter={args.unrolled_sweeps} sweeps always (tol 1e-300), gradient='unroll'"},
+            "memory_configs": {m: MODELS[m]["memory_configs"] for m in models},
         },
-        dtype=F64,
-        summary=summary_cells,
-    )
+        "results": results,
+        "aggregate": aggregate,
+        "memory": memory,
+        "wall_s": wall,
+    }
+    path = result_path("ep_learning")
+    if not args.quick and path.exists():
+        keep_other_models(payload, json.loads(path.read_text()), models)
+    write_results("ep_learning", payload, dtype=F64, summary=summary_cells)
+
+
+def keep_other_models(payload: dict, old: dict, models: list[str]) -> None:
+    """Adds to ``payload`` the models of the result file ``old`` that this run (``--models``) did
+    not rerun, with their settings, and says under ``"kept_models"`` which run they come from, so
+    that ``--models ungm`` replaces the UNGM's rows and keeps the pendulum's."""
+    kept = [m for m in old.get("settings", {}).get("models", []) if m not in models]
+    if not kept:
+        return
+    settings = payload["settings"]
+    for key, value in old["settings"].items():
+        if isinstance(value, dict) and isinstance(settings.get(key), dict):
+            settings[key].update({m: value[m] for m in kept if m in value and m not in settings[key]})
+    settings["models"] = list(models) + kept
+    for key in ("results", "aggregate", "memory"):
+        payload[key].update({m: old[key][m] for m in kept})
+    earlier = old.get("kept_models", {})
+    payload["kept_models"] = {m: earlier.get(m, {"command": old.get("command"), "wall_s": old.get("wall_s")}) for m in kept}
 
 
 if __name__ == "__main__":
