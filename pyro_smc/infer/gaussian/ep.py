@@ -291,9 +291,10 @@ class EPSmoother:
         if not run.converged and self.max_iter > 1:
             warnings.warn(
                 f"EPSmoother: EP did not converge in max_iter={self.max_iter} sweeps (last change {run.history[-1].change:.3g} > "
-                f"tol={self.tol:g}); the result is the last sweep's, not an EP fixed point. Raise max_iter, damp (damping < 1), "
-                f"use power < 1{' (sequential schedule)' if self.schedule == 'parallel' else ''}, or keep the first sweep "
-                "(max_iter=1, the Gaussian smoother); result.history has the changes",
+                f"tol={self.tol:g}); the result is the last sweep's, not an EP fixed point. Raise max_iter, "
+                f"{'damp more (lower damping)' if self.damping < 1 else 'damp (damping < 1)'}"
+                f"{'' if self.power < 1 else ', use power < 1' + (' (sequential schedule)' if self.schedule == 'parallel' else '')}"
+                ", or keep the first sweep (max_iter=1; with power=1 the Gaussian smoother); result.history has the changes",
                 EPConvergenceWarning,
                 stacklevel=2,
             )

@@ -121,3 +121,17 @@ def test_a_pyro_program_gets_a_type_error_naming_what_it_lacks():
                  lambda: unscented_rts_smoother(_PyroProgram(), torch.zeros(3, 1))):
         with pytest.raises(TypeError, match=r"needs a GaussianStateSpaceModel .* _PyroProgram without state_dim, obs_dim, init_mean.*runs on SMC"):
             call()
+
+
+@pytest.mark.parametrize("power, damping", [(1.0, 1.0), (0.5, 1.0), (1.0, 0.5), (0.5, 0.5)])
+def test_the_convergence_warning_suggests_only_what_the_run_does_not_use(power, damping):
+    # Before: a run at power 0.5 was told to "use power < 1", and a damped one to "damp (damping < 1)".
+    from tests.test_docs_claims import _nonlinear_model_and_data
+
+    ssm, ys = _nonlinear_model_and_data()
+    with pytest.warns(_ep_convergence_warning()) as caught:
+        EPSmoother(ssm, projection="unscented", max_iter=2, power=power, damping=damping).smooth(ys)
+    message = str(caught[0].message)
+    assert ("use power < 1" in message) == (power == 1.0)
+    assert ("damp (damping < 1)" in message) == (damping == 1.0)
+    assert ("damp more" in message) == (damping < 1.0)
