@@ -270,10 +270,12 @@ def fig_ep_accuracy(results: Path) -> Figure:
     ax.grid(axis="y", visible=False)
 
     cell = growth["results"]["anchor"]
-    # (our key, tick label, key of the rerun of their code). Their published EP-1 is not our plain
-    # first sweep (the smoother), so only the rerun of their code marks the first column.
-    first = f"first sweep\n({cell.get('_smoother_name', 'EP-1')})"
-    columns = [("EP-1", first, "anchor/EP-1 plain"), ("EP-10", "EP-10", "anchor/EP-10"),
+    # (our key, tick label, key of the rerun of their code). The first column is the plain
+    # smoother (its own row since power EP applies from the first sweep; files from before have
+    # none, and their EP-1 was that smoother), marked by the rerun of their code's plain sweep.
+    smoother = cell.get("_smoother_name", "EP-1")
+    first = f"plain smoother\n({smoother})"
+    columns = [(smoother, first, "anchor/EP-1 plain"), ("EP-10", "EP-10", "anchor/EP-10"),
                ("EP-50", "EP-50", "anchor/EP-50")]
     paper, rerun = growth["anchors_paper"], growth["anchors_reference_code_rerun"]
     seeds = len(growth["settings"]["seeds"])
