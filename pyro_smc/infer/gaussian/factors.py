@@ -107,7 +107,7 @@ class Factors:
     def transition(self, cavity: Natural, t: int, power: float = 1.0) -> LinearFit:
         r"""The implicit linear model of :math:`x_{t+1} = f(x_t) + w` at the cavity on :math:`x_t`;
         with ``power`` :math:`\alpha < 1` its linearisation error is scaled by :math:`\alpha`
-        (:func:`powered_noise`)."""
+        (``powered_noise`` below)."""
         mean, cov = to_moment(*cavity)
         Q = self.ssm.transition_cov
         M, S, C = self.transition_projection.moments(self.ssm.transition_fn, mean, cov, t, Q)
@@ -119,7 +119,7 @@ class Factors:
     ) -> tuple[Natural, LinearFit]:
         r"""The measurement message of ``y``'s entries where ``observed`` (``None``: all of them)
         and the implicit linear model it comes from; with ``power`` :math:`\alpha < 1` the
-        model's linearisation error is scaled by :math:`\alpha` (:func:`powered_noise`)."""
+        model's linearisation error is scaled by :math:`\alpha` (``powered_noise`` below)."""
         mean, cov = to_moment(*cavity)
         R = self.ssm.observation_cov
         mu, S_y, C = self.observation_projection.moments(self.ssm.observation_fn, mean, cov, t, R)
