@@ -50,7 +50,7 @@ from pyro.infer import MCMC
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `benchmarks` imports as a package
 from benchmarks._common import add_common_args, f2, load_average, print_table, progress, setup, write_results  # noqa: E402
-from benchmarks.pmcmc.bench_pmmh_particles import AR1, TAU, chain_stats, kalman_log_likelihood, particles_ar1, simulate  # noqa: E402
+from benchmarks.pmcmc.bench_pmmh_particles import AR1, TAU, chain_payload, chain_stats, kalman_log_likelihood, particles_ar1, simulate  # noqa: E402
 from pyro_smc.infer.pmcmc.gibbs import ParticleGibbs  # noqa: E402
 
 PARAMS = ("rho", "sigma")
@@ -248,23 +248,9 @@ def main():
     headers += [f"max |err|/MCSE {q}" for q in QUANTITIES]
     print_table(headers, rows, title=f"Particle Gibbs, AR(1)+noise, T = {args.T}, {args.warmup} + {args.samples} sweeps, median of {args.repeats}")
     print(f"exact posterior: {exact}; 1-min load average {load_before} -> {load_average()}")
-    payload = {
-        "settings": {
-            "T": args.T,
-            "N": args.N,
-            "warmup": args.warmup,
-            "samples": args.samples,
-            "iterations": iterations,
-            "num_mh_steps": args.num_mh_steps,
-            "repeats": args.repeats,
-        },
-        "exact": exact,
-        "repetitions": reps,
-        "median": median,
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-    }
-    write_results("particle_gibbs", payload, summary=summary_cells, scratch=args.scratch)
+    settings = {"T": args.T, "N": args.N, "warmup": args.warmup, "samples": args.samples, "iterations": iterations,
+                "num_mh_steps": args.num_mh_steps, "repeats": args.repeats}
+    write_results("particle_gibbs", chain_payload(settings, exact, reps, median, load_before), summary=summary_cells, scratch=args.scratch)
 
 
 if __name__ == "__main__":

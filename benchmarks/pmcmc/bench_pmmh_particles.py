@@ -276,15 +276,15 @@ def main():
     ]
     print_table(headers, rows, title=f"PMMH, AR(1)+noise, T = {args.T}, N = {args.N}, {args.warmup} + {args.samples} iterations, median of {args.repeats}")
     print(f"exact posterior: {exact}; 1-min load average {load_before} -> {load_average()}")
-    payload = {
-        "settings": {"T": args.T, "N": args.N, "warmup": args.warmup, "samples": args.samples, "iterations": niter, "repeats": args.repeats},
-        "exact": exact,
-        "repetitions": reps,
-        "median": median,
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-    }
-    write_results("pmmh_particles", payload, summary=summary_cells, scratch=args.scratch)
+    settings = {"T": args.T, "N": args.N, "warmup": args.warmup, "samples": args.samples, "iterations": niter, "repeats": args.repeats}
+    write_results("pmmh_particles", chain_payload(settings, exact, reps, median, load_before), summary=summary_cells, scratch=args.scratch)
+
+
+def chain_payload(settings: dict, exact: dict, reps: list, median: dict, load_before: float) -> dict:
+    """The result file's content of a chain benchmark (this one and ``bench_particle_gibbs.py``):
+    its settings, the exact posterior, every repetition, the medians and the machine's load."""
+    return {"settings": settings, "exact": exact, "repetitions": reps, "median": median,
+            "load_average_before": load_before, "load_average_after": load_average()}
 
 
 if __name__ == "__main__":

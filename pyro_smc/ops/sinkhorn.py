@@ -138,6 +138,7 @@ __all__ = [
     "sinkhorn_solve",
     "transport_plan",
     "check_equal_mass",
+    "check_unit_mass",
     "implicit_adjoint",
 ]
 
@@ -334,9 +335,34 @@ def check_equal_mass(log_a: Tensor, log_b: Tensor) -> None:
             ...
         ValueError: sinkhorn: log_a and log_b must have equal total mass (log-mass gap 0.405)
     """
-    mass_gap = (torch.logsumexp(log_a.detach(), -1) - torch.logsumexp(log_b.detach(), -1)).abs().max()
-    if not float(mass_gap) < 1e-3:
-        raise ValueError(f"sinkhorn: log_a and log_b must have equal total mass (log-mass gap {float(mass_gap):.3g})")
+    _check_mass_gap(torch.logsumexp(log_a.detach(), -1) - torch.logsumexp(log_b.detach(), -1), "log_a and log_b must have equal total mass")
+
+
+def check_unit_mass(log_weights: Tensor, name: str = "log_weights") -> None:
+    """Checks that log-weights sum to one (to 1e-3 in log space): :func:`check_equal_mass` against
+    a measure of mass one, such as the uniform source of the ensemble transform.
+
+    Args:
+        log_weights: ``(..., N)`` log-weights.
+        name: the argument's name for the message.
+
+    Raises:
+        ValueError: if a problem's log total mass is ``1e-3`` or more from 0 (or not finite).
+
+    Example:
+        >>> check_unit_mass(torch.tensor([0.5, 0.5]).log())
+        >>> check_unit_mass(torch.zeros(2))
+        Traceback (most recent call last):
+            ...
+        ValueError: sinkhorn: log_weights must sum to one (log-mass gap 0.693)
+    """
+    _check_mass_gap(torch.logsumexp(log_weights.detach(), -1), f"{name} must sum to one")
+
+
+def _check_mass_gap(log_gap: Tensor, what: str) -> None:
+    gap = float(log_gap.abs().max())
+    if not gap < 1e-3:
+        raise ValueError(f"sinkhorn: {what} (log-mass gap {gap:.3g})")
 
 
 def transport_plan(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, epsilon: float) -> Tensor:
