@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_unit_mass, implicit_adjoint, solve, transport_plan
-from pyro_smc.ops.sinkhorn_kernel import flushing, thin_matmul
+from pyro_smc.ops.sinkhorn_kernel import flushing, row_products, zero_mass
 from pyro_smc.ops.sinkhorn_solver import solve_with_plan
 
 __all__ = ["EnsembleResult", "ensemble_transform", "ensemble_solve"]
@@ -83,34 +83,39 @@ def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor
     ones = torch.ones_like(sq)
     left = torch.cat([x, sq, ones], -1)
     right = torch.cat([-2 * x, ones, sq], -1) / scale2[..., None, None]
-    out = _workspace(x.shape[:-1] + (n,), x) if workspace else None
+    out = _workspace(x.shape[:-1] + (n,), x, "cost") if workspace else None
     return torch.matmul(left, right.transpose(-1, -2), out=out).clamp_min_(0), scale2
 
 
-# Per thread, one CPU buffer per dtype for the fused forward's cost, up to this many bytes.
-_WORKSPACE_MAX_BYTES = 1 << 25
+# Per thread, CPU buffers by use and dtype for the fused transform's (B, N, N) temporaries, up
+# to this many bytes each (8 x 2000 x 2000 in float64 fits).
+_WORKSPACE_MAX_BYTES = 1 << 28
 _WORKSPACES = threading.local()
 
 
-def _workspace(shape: torch.Size, like: Tensor) -> Tensor | None:
-    """A buffer of ``shape`` kept between calls (``None``: allocate afresh), CPU only.
+def _workspace(shape: torch.Size, like: Tensor, use: str) -> Tensor | None:
+    """A buffer of ``shape`` for ``use`` (``"cost"``, ``"kernel"``) kept between calls (``None``:
+    allocate afresh), CPU only.
 
     A fresh ``(B, N, N)`` tensor is above glibc's mmap threshold, and once freed its pages go
     back to the system: every call faulted them in again, which on this project's benchmark
     machine cost as much as several passes over the tensor (2 ms for the 2.6 MB cost of 32 x 100
-    x 100 float64, against 0.6 ms for an exp over it). The cost is dead once the solve
-    returns, so one buffer serves every call; CUDA's caching allocator needs none. Created
-    outside inference mode (as the cached weights of :mod:`pyro_smc.ops.unscented`): an inference
+    x 100 float64, against 0.6 ms for an exp over it). The cost is dead once the solve returns,
+    and a kernel that is not kept for the backward pass (see :class:`_FusedEnsembleTransform`)
+    once the forward or backward pass that made it returns, so one buffer per use serves every
+    call; CUDA's caching allocator needs none. A thread keeps its buffers, each of the largest
+    size it has met (up to ``_WORKSPACE_MAX_BYTES``, 256 MB), for its lifetime. Created outside
+    inference mode (as the cached weights of :mod:`pyro_smc.ops.unscented`): an inference
     tensor could not be written by a later call outside it.
     """
     numel = math.prod(shape)
     if like.device.type != "cpu" or numel * like.element_size() > _WORKSPACE_MAX_BYTES:
         return None
     buffers = _WORKSPACES.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(like.dtype)
+    buffer = buffers.get((use, like.dtype))
     if buffer is None or buffer.numel() < numel:
         with torch.inference_mode(False):
-            buffer = buffers[like.dtype] = like.new_empty(numel)
+            buffer = buffers[(use, like.dtype)] = like.new_empty(numel)
     return buffer[:numel].view(shape)
 
 
@@ -126,10 +131,48 @@ def _scale_gradient(x: Tensor, grad_scale2: Tensor) -> Tensor:
     return centred * (widest * (var.amax(-1, keepdim=True) > 0)).unsqueeze(-2)
 
 
+# The kernel is exp2 of a base-2 exponent (exp2 is several times faster than exp on CPU; see
+# pyro_smc.ops.sinkhorn_kernel).
+_LOG2E = 1 / math.log(2)
+# Symmetric kernels above this many bytes are not saved for the backward pass, which rebuilds
+# them (see _FusedEnsembleTransform).
+_SAVED_KERNEL_MAX_BYTES = 1 << 23
+# The base-2 exponent of a masked column: exp2 of it is zero, and it stays finite in the bmm
+# (an infinite entry would meet zeros in the BLAS's padding and give NaN).
+_MASKED_EXPONENT = -1e30
+
+
+def _symmetric_kernel(x: Tensor, scale2: Tensor, f: Tensor, g: Tensor, log_b: Tensor, eps: float, out: Tensor | None) -> Tensor:
+    r"""The adjoint's symmetric kernel :math:`S_{ij} = P_{ij} / \sqrt{a_i b_j}` ``(B, N, N)`` rebuilt from the
+    solve's potentials: :math:`S_{ij} = \exp((f_i + g_j - C_{ij}) / \epsilon + (\log a_i + \log b_j) / 2)` with :math:`a_i = 1 / N`.
+
+    The exponent (in base 2) is one product of thin factors, the expanded cost of
+    :func:`_normalised_cost` with the potentials as two more columns, so ``S`` costs one bmm
+    and one ``exp2`` over ``(B, N, N)``, written into ``out`` when given. Columns of zero-mass
+    points are zero, as in the solver's kernel. ``x`` is ``(B, N, D)``, the rest flattened alike.
+    """
+    n = x.shape[-2]
+    c = ((-_LOG2E / eps) / scale2)[:, None, None]
+    sq = x.square().sum(-1, keepdim=True)
+    ones = torch.ones_like(sq)
+    row = ((f / eps - 0.5 * math.log(n)) * _LOG2E).unsqueeze(-1)
+    col = ((g / eps + 0.5 * log_b) * _LOG2E).masked_fill(zero_mass(log_b), _MASKED_EXPONENT).unsqueeze(-1)
+    left = torch.cat([x, sq, ones, row, ones], -1)
+    right = torch.cat([(-2 * c) * x, c.expand_as(sq), c * sq, ones, col], -1)
+    return torch.bmm(left, right.transpose(1, 2), out=out).exp2_()
+
+
 class _FusedEnsembleTransform(torch.autograd.Function):
-    """``x_new`` and the plan; exact gradients via the implicit function theorem.
+    r"""``x_new`` and the plan; exact gradients via the implicit function theorem.
 
     See ``docs/math/smc.md#gradient-of-the-ensemble-transform``.
+
+    The backward pass needs the symmetric kernel :math:`P / \sqrt{a b^\top}`. Up to
+    ``_SAVED_KERNEL_MAX_BYTES`` it is saved; above, only the potentials are, and the backward
+    rebuilds it (:func:`_symmetric_kernel`: one bmm and one exp2). A filter keeps every step's
+    saved tensors until its backward pass, so saved kernels grow with N^2 times the number of
+    resampling steps (8 x 2000 x 2000 in float32 is 128 MB a step); small ones cost less to
+    keep than to rebuild (at 32 x 100 the rebuild added about 0.8 ms to a 3 ms backward).
     """
 
     @staticmethod
@@ -140,23 +183,36 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         with torch.no_grad():
             cost, scale2 = _normalised_cost(x, workspace=True)
             log_a = torch.full_like(log_b, -math.log(n))
-            result, factored = solve_with_plan(cost, log_a, log_b, settings, stacklevel=4)
-            factored = factored.unflatten(x.shape[:-2])
-            kernel, u, v = factored
+            # A kernel too large to keep is rebuilt by the backward pass, so the forward's copy
+            # dies with the forward and can live in a buffer.
+            keep = cost.numel() * cost.element_size() <= _SAVED_KERNEL_MAX_BYTES
+            kernel_out = None if keep else _workspace(cost.shape, x, "kernel")
+            result, factored = solve_with_plan(cost, log_a, log_b, settings, stacklevel=4, kernel_out=kernel_out)
             # The solver's plan diag(a u) K diag(b v), reused: no exp over (B, N, N). P x and the
-            # row sums of P come out of one product with [b v x, b v] (a u cancels in x_new).
+            # row sums of P come out of one product with the rows [b v x, b v] (a u cancels in
+            # x_new), on the solver's flattened batch.
+            shape, dim = x.shape, x.shape[-1]
+            bv = (log_b.exp().reshape(-1, n) * factored.v).unsqueeze(1)
+            x_rows = x.reshape(-1, n, dim).transpose(1, 2)
+            moved = row_products(torch.cat([bv * x_rows, bv], 1), factored.kernel.transpose(1, 2))
+            x_new = (moved[:, :-1] / moved[:, -1:]).transpose(1, 2).reshape(shape)
+            rows = ((factored.u / n) * moved[:, -1]).reshape(shape[:-1] + (1,))  # row sums of P
+            factored = factored.unflatten(shape[:-2])
             sqrt_a = math.exp(-0.5 * math.log(n))
             sqrt_b = (log_b / 2).exp()
-            bv = log_b.exp() * v
-            moved = thin_matmul(kernel, torch.cat([bv.unsqueeze(-1) * x, bv.unsqueeze(-1)], -1))
-            x_new = moved[..., :-1] / moved[..., -1:]
-            rows = (u / n).unsqueeze(-1) * moved[..., -1:]  # row sums of P
-            # P / sqrt(a_i b_j): the symmetric form the adjoint needs, built in place.
-            kernel = factored.symmetric_(sqrt_a, sqrt_b)
             # An (N, N) product the caller may not need (OTResampler reads it only for
             # particles it cannot average); an empty tensor stands in for it then.
-            plan = kernel * (sqrt_a * sqrt_b).unsqueeze(-2) if want_plan else x.new_empty(0)
-        ctx.save_for_backward(x, kernel, sqrt_b, rows, x_new, scale2)
+            plan = x.new_empty(0)
+            if keep:
+                # P / sqrt(a_i b_j): the symmetric form the adjoint needs, built in place.
+                kernel = factored.symmetric_(sqrt_a, sqrt_b)
+                if want_plan:
+                    plan = kernel * (sqrt_a * sqrt_b).unsqueeze(-2)
+            else:
+                kernel = x.new_empty(0)  # rebuilt by the backward pass
+                if want_plan:
+                    plan = torch.mul(factored.kernel, (factored.u / n).unsqueeze(-1)).mul_((log_b.exp() * factored.v).unsqueeze(-2))
+        ctx.save_for_backward(x, kernel, log_b, result.f, result.g, rows, x_new, scale2)
         ctx.sqrt_a = sqrt_a
         ctx.epsilon = epsilon
         ctx.exact = settings.gradient == "implicit"
@@ -171,18 +227,26 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     def backward(ctx, grad_x_new, *_not_differentiable):
         if grad_x_new is None:
             return None, None, None, None
-        x, kernel, sqrt_b, rows, x_new, scale2 = ctx.saved_tensors
+        x, kernel, log_b, f, g, rows, x_new, scale2 = ctx.saved_tensors
         sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
         # One batch dimension, and thin factors as rows (B, k, N): every product with the kernel
         # is one bmm, and the kernel is only read, never copied.
         shape, (n, dim) = x.shape, x.shape[-2:]
         x, x_new, grad_x_new = (t.reshape(-1, n, dim) for t in (x, x_new, grad_x_new))
-        kernel, sqrt_b, rows, scale2 = kernel.reshape(-1, n, n), sqrt_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1)
+        log_b, rows, scale2 = log_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1)
+        sqrt_b = (log_b / 2).exp()
+        if kernel.numel():
+            kernel = kernel.reshape(-1, n, n)
+        else:
+            # Rebuilt into a buffer only when this backward builds no graph (create_graph=False),
+            # so that the buffer's contents die with it.
+            out = None if torch.is_grad_enabled() else _workspace(x.shape[:-1] + (n,), x, "kernel")
+            kernel = _symmetric_kernel(x, scale2, f.reshape(-1, n), g.reshape(-1, n), log_b, eps, out)
         # x_new_i = sum_j P_ij x_j / r_i, so d loss / d log P_ij = P_ij (G_i . x_j - c_i) with
         # G_i = grad_i / r_i and c_i = G_i . x_new_i.
         gs = grad_x_new / rows
         c = (gs * x_new).sum(-1)
-        kt = torch.bmm(torch.cat([gs, c.unsqueeze(-1)], -1).transpose(1, 2), kernel)  # K^T [G, c], as rows
+        kt = row_products(torch.cat([gs, c.unsqueeze(-1)], -1).transpose(1, 2), kernel)  # K^T [G, c], as rows
         kt_g, kt_c = kt[:, :-1], kt[:, -1]
         x_t = x.transpose(1, 2)
         # Column sums of d loss / d log P, i.e. eps * d loss / d g (the row sums vanish).

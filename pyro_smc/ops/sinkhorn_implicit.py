@@ -82,7 +82,11 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
     rs = (r * r).sum(-1, keepdim=True)
     stop = tol**2 * rs.clamp_min(tiny)
     max_steps = _CG_STEPS_BEFORE_DENSE if m <= _DENSE_SOLVE_MAX else 10 * m
-    converged = rs <= stop
+    # Written as "not above" so that a NaN residual stops its problem: with a forward solve far
+    # from its fixed point the system can lose definiteness, and CG then blew up to NaN and ran
+    # on to its 10 M steps (ten minutes at 8 x 1000 x 1000). Such a problem is left to the
+    # residual check below, which warns.
+    converged = ~(rs > stop)
     curvature = None  # the smallest p . A p met, None before the first step
     for _ in range(max_steps):
         if bool(converged.all()):
@@ -94,7 +98,7 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
         x.addcmul_(alpha, p)
         r.addcmul_(alpha, ap, value=-1)
         rs_new = (r * r).sum(-1, keepdim=True)
-        converged |= rs_new <= stop
+        converged |= ~(rs_new > stop)
         p = torch.addcmul(r, rs_new / rs.clamp_min(tiny), p)
         rs = rs_new
     left = ~converged.reshape(-1)

@@ -205,7 +205,9 @@ class _Working:
                 setattr(self, name, value.index_select(0, keep))
 
 
-def _start(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, annealed: bool, eps: float) -> _Working:
+def _start(
+    cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, annealed: bool, eps: float, out: Tensor | None = None
+) -> _Working:
     """The working set at the final ``eps``: kernel with ``f, g`` absorbed and first scalings.
 
     Particles of zero weight have no marginal to match; their scalings are pinned to 1 and their
@@ -223,7 +225,7 @@ def _start(cost: Tensor, log_a: Tensor, log_b: Tensor, f: Tensor, g: Tensor, ann
     pin_a = None if a_zero is None else a_zero.to(cost.dtype).unsqueeze(1)
     pin_b = None if b_zero is None else b_zero.to(cost.dtype).unsqueeze(1)
     # Without annealing the potentials are zero and the kernel is plain exp(-C / eps).
-    kernel = stabilised_kernel(cost, f, g, eps) if annealed else plain_kernel(cost, eps)
+    kernel = stabilised_kernel(cost, f, g, eps, out) if annealed else plain_kernel(cost, eps, out)
     kernel = mask_kernel(kernel, a_zero, b_zero)
     sums = _pinned(_rows(kernel, b), pin_a)
     # Row sums above the smallest normal number, and finite (NaN fails both).
@@ -368,10 +370,20 @@ def forward_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhorn
 
 
 def solve_with_plan(
-    cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings, keep_plan: bool = True, stacklevel: int = 3
+    cost: Tensor,
+    log_a: Tensor,
+    log_b: Tensor,
+    settings: SinkhornSettings,
+    keep_plan: bool = True,
+    stacklevel: int = 3,
+    kernel_out: Tensor | None = None,
 ) -> tuple[SinkhornResult, PlanKernel | None]:
     """:func:`forward_solve` that also returns the plan in factored form (:class:`PlanKernel`,
     flattened to one batch dimension ``B``; ``None`` unless ``keep_plan``).
+
+    ``kernel_out``, a buffer with the cost's number of elements, receives the working kernel
+    instead of a fresh tensor (outside autograd only); the factored plan's kernel may then be
+    that buffer, which the caller must not hand on.
 
     Example:
         >>> import math, torch
@@ -391,8 +403,10 @@ def solve_with_plan(
     log_a = log_a.expand(batch_shape + (n,)).reshape(-1, n)
     log_b = log_b.expand(batch_shape + (m,)).reshape(-1, m)
     f, g, annealed = _anneal(cost, log_a, log_b, epsilon, settings.scaling)
-    w = _start(cost, log_a, log_b, f, g, annealed, epsilon)
-    pinned = w.a_zero is not None or w.b_zero is not None
+    if kernel_out is not None:
+        kernel_out = kernel_out.view(cost.shape)
+    w = _start(cost, log_a, log_b, f, g, annealed, epsilon, kernel_out)
+    masks = (w.a_zero, w.b_zero)  # the working set's own shrink as problems leave it
     # Converged problems leave the working set only under no_grad and on large batches (see
     # the docstring); on small ones they keep iterating with the rest.
     leave = not torch.is_grad_enabled() and cost.numel() >= _COMPACT_MIN_SIZE
@@ -433,8 +447,8 @@ def solve_with_plan(
         met = _tensor([k or iters for k in met], torch.long, err)
         result = result._replace(num_iterations=torch.where(result.converged, met, iters))
     f, g = result.f, result.g
-    if pinned:
-        f, g = complete_zero_mass(cost, log_a, log_b, f, g, epsilon)
+    if masks[0] is not None or masks[1] is not None:
+        f, g = complete_zero_mass(cost, log_a, log_b, f, g, epsilon, masks)
     result = SinkhornResult(
         f.reshape(batch_shape + (n,)),
         g.reshape(batch_shape + (m,)),

@@ -3,10 +3,20 @@ import math
 import pytest
 import torch
 
+import pyro_smc.ops.ensemble as ensemble_module
 import pyro_smc.ops.sinkhorn_implicit as sk
 from pyro_smc.ops.ensemble import ensemble_solve, ensemble_transform
 from pyro_smc.ops.sinkhorn import SinkhornSettings
 from tests.cases import DTYPE_IDS, DTYPES, EPSILONS, ot_threshold
+
+
+@pytest.fixture(autouse=True, params=["saved", "rebuilt"])
+def kernel_for_the_backward(request, monkeypatch):
+    """Every test runs twice: with the fused transform's symmetric kernel saved for the backward
+    pass (small kernels) and rebuilt there from the potentials (large ones)."""
+    if request.param == "rebuilt":
+        monkeypatch.setattr(ensemble_module, "_SAVED_KERNEL_MAX_BYTES", -1)
+    return request.param
 
 
 def _cloud(batch, n, d=2, seed=0, spread=1.0):
@@ -250,3 +260,22 @@ def test_a_workspace_made_under_inference_mode_serves_later_calls_with_autograd(
     thread.join()
     assert torch.equal(out["inference"], out["normal"])
     assert out["grad"] is not None and torch.isfinite(out["grad"]).all()
+
+
+def test_a_non_finite_adjoint_residual_stops_conjugate_gradients_and_warns(monkeypatch):
+    """A right-hand side (or a CG iterate) that turns NaN stops its problem at once: CG on a
+    large problem (no dense fallback) used to run all its 10 M steps on NaN before the residual
+    check warned. Counts the kernel products and checks the warning."""
+    gen = torch.Generator().manual_seed(0)
+    kernel = torch.rand(2, 600, 600, generator=gen, dtype=torch.float64) / 600
+    sqrt_b = torch.full((2, 600), 600**-0.5, dtype=torch.float64)
+    rhs = torch.randn(2, 600, generator=gen, dtype=torch.float64)
+    rhs = rhs - (rhs * sqrt_b).sum(-1, keepdim=True) * sqrt_b  # orthogonal to the null vector
+    rhs[1, 3] = math.nan
+    calls = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: (calls.append(1), bmm(*a, **k))[1])
+    with pytest.warns(sk.SinkhornConvergenceWarning, match="residual of nan"):
+        x = sk._adjoint_solve(kernel, sqrt_b, rhs, 1e-8)
+    assert len(calls) < 100  # the finite problem converges in a few steps; nothing runs to 6000
+    assert torch.isfinite(x[0]).all()
