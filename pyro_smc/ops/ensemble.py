@@ -59,6 +59,14 @@ from pyro_smc.ops.sinkhorn_solver import solve_with_plan
 __all__ = ["EnsembleResult", "ensemble_transform", "ensemble_solve"]
 
 
+def _centred(x: Tensor) -> Tensor:
+    """The particles ``(..., N, D)`` moved to their mean (a constant to autograd: the cost does not
+    depend on it). The expanded quadratic form of the cost subtracts terms of the size of
+    ``|x|^2``: a float32 cloud of spread 1 at 10^3 from the origin had cost errors of 0.25 and
+    moved particles 0.06 off, at 10^4 errors of 30 and 3, all silently."""
+    return x - x.mean(-2, keepdim=True).detach()
+
+
 def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor]:
     r"""Returns the cost :math:`\lVert x_i - x_j \rVert^2 / \delta^2` and :math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})`.
 
@@ -71,9 +79,11 @@ def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor
     and one clamp, both over ``(..., N, N)``: the expanded quadratic form of
     :func:`~pyro_smc.ops.sinkhorn.squared_distances` with the scale folded in. With
     ``workspace`` (the fused forward, where the cost dies with the solve) it is written into a
-    buffer kept between calls (:func:`_workspace`).
+    buffer kept between calls (:func:`_workspace`). It is formed from the centred particles
+    (:func:`_centred`).
     """
     n, d = x.shape[-2:]
+    x = _centred(x)
     if n > 1:
         scale2 = d * x.var(dim=-2, unbiased=False).amax(-1)
     else:
@@ -191,11 +201,12 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             # The solver's plan diag(a u) K diag(b v), reused: no exp over (B, N, N). P x and the
             # row sums of P come out of one product with the rows [b v x, b v] (a u cancels in
             # x_new), on the solver's flattened batch.
+            # Centred particles, as in the cost: x_new is their convex combination plus the mean.
             shape, dim = x.shape, x.shape[-1]
             bv = (log_b.exp().reshape(-1, n) * factored.v).unsqueeze(1)
-            x_rows = x.reshape(-1, n, dim).transpose(1, 2)
+            x_rows = _centred(x).reshape(-1, n, dim).transpose(1, 2)
             moved = row_products(torch.cat([bv * x_rows, bv], 1), factored.kernel.transpose(1, 2))
-            x_new = (moved[:, :-1] / moved[:, -1:]).transpose(1, 2).reshape(shape)
+            x_new = (moved[:, :-1] / moved[:, -1:]).transpose(1, 2).reshape(shape) + x.mean(-2, keepdim=True)
             rows = ((factored.u / n) * moved[:, -1]).reshape(shape[:-1] + (1,))  # row sums of P
             factored = factored.unflatten(shape[:-2])
             sqrt_a = math.exp(-0.5 * math.log(n))
@@ -232,6 +243,11 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         # One batch dimension, and thin factors as rows (B, k, N): every product with the kernel
         # is one bmm, and the kernel is only read, never copied.
         shape, (n, dim) = x.shape, x.shape[-2:]
+        # Every formula below is invariant under a common translation of x and x_new; they take
+        # the centred particles of the forward pass, free of the cancellation a far-off cloud
+        # would cause in float32.
+        x_new = x_new - x.mean(-2, keepdim=True)
+        x = _centred(x)
         x, x_new, grad_x_new = (t.reshape(-1, n, dim) for t in (x, x_new, grad_x_new))
         log_b, rows, scale2 = log_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1)
         sqrt_b = (log_b / 2).exp()

@@ -156,12 +156,19 @@ def squared_distances(x: Tensor, y: Tensor) -> Tensor:
     Returns:
         ``||x_i - y_j||^2``, shape ``(..., N, M)``, clamped at zero.
 
+    The points are first moved by a common translation (the midpoint of the two clouds' means,
+    a constant to autograd: the distances do not depend on it). The expanded form subtracts
+    terms of the size of ``||x||^2``; for a cloud of spread 1 at 10^4 from the origin that lost
+    every digit in float32 (errors of 30 in distances of about 2).
+
     Example:
         >>> squared_distances(
         ...     torch.tensor([[0.0, 0.0], [3.0, 4.0]]), torch.tensor([[0.0, 0.0]])
         ... ).tolist()
         [[0.0], [25.0]]
     """
+    centre = ((x.mean(-2, keepdim=True) + y.mean(-2, keepdim=True)) / 2).detach()
+    x, y = x - centre, y - centre
     xx = (x * x).sum(-1).unsqueeze(-1)
     yy = (y * y).sum(-1).unsqueeze(-2)
     if x.dim() == 3 and y.dim() == 3:
