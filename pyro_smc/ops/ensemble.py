@@ -68,33 +68,37 @@ def _centred(x: Tensor) -> Tensor:
 
 
 def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor]:
-    r"""Returns the cost :math:`\lVert x_i - x_j \rVert^2 / \delta^2` and :math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})`.
+    r"""Returns the cost :math:`\lVert x_i - x_j \rVert^2 / \delta^2` and :math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})`
+    of centred particles ``x`` (:func:`_centred`).
 
     ``delta`` is part of the function: it is differentiated like the rest (under autograd here,
     by hand in the fused backward), so the gradient is that of the computed transform and
     matches its finite differences. A degenerate cloud (all particles equal) has nothing to
     transport; its scale is set to 1, a constant, to avoid 0/0.
 
-    The cost is one product of thin matrices, :math:`[x, \lVert x\rVert^2, 1] \, [-2 x, 1, \lVert x\rVert^2]^\top / \delta^2`,
-    and one clamp, both over ``(..., N, N)``: the expanded quadratic form of
-    :func:`~pyro_smc.ops.sinkhorn.squared_distances` with the scale folded in. With
-    ``workspace`` (the fused forward, where the cost dies with the solve) it is written into a
-    buffer kept between calls (:func:`_workspace`). It is formed from the centred particles
-    (:func:`_centred`).
+    The cost is one product of the thin factors of :func:`_cost_factors` and one clamp, both
+    over ``(..., N, N)``. With ``workspace`` (the fused forward, where the cost dies with the
+    solve) it is written into a buffer kept between calls (:func:`_workspace`).
     """
     n, d = x.shape[-2:]
-    x = _centred(x)
     if n > 1:
         scale2 = d * x.var(dim=-2, unbiased=False).amax(-1)
     else:
         scale2 = x.new_zeros(x.shape[:-2])
     scale2 = torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
-    sq = x.square().sum(-1, keepdim=True)
-    ones = torch.ones_like(sq)
-    left = torch.cat([x, sq, ones], -1)
-    right = torch.cat([-2 * x, ones, sq], -1) / scale2[..., None, None]
+    left, right = _cost_factors(x, 1 / scale2)
     out = _workspace(x.shape[:-1] + (n,), x, "cost") if workspace else None
     return torch.matmul(left, right.transpose(-1, -2), out=out).clamp_min_(0), scale2
+
+
+def _cost_factors(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Thin factors ``(..., N, D + 2)`` of ``scale * ||x_i - x_j||^2``: the expanded quadratic form
+    :math:`[x, \lVert x\rVert^2, 1] \, [-2 x, 1, \lVert x\rVert^2]^\top` of
+    :func:`~pyro_smc.ops.sinkhorn.squared_distances`, with ``scale`` ``(...)`` folded into the right
+    factor."""
+    sq = x.square().sum(-1, keepdim=True)
+    ones = torch.ones_like(sq)
+    return torch.cat([x, sq, ones], -1), torch.cat([-2 * x, ones, sq], -1) * scale[..., None, None]
 
 
 # Per thread, CPU buffers by use and dtype for the fused transform's (B, N, N) temporaries, up
@@ -156,19 +160,18 @@ def _symmetric_kernel(x: Tensor, scale2: Tensor, f: Tensor, g: Tensor, log_b: Te
     r"""The adjoint's symmetric kernel :math:`S_{ij} = P_{ij} / \sqrt{a_i b_j}` ``(B, N, N)`` rebuilt from the
     solve's potentials: :math:`S_{ij} = \exp((f_i + g_j - C_{ij}) / \epsilon + (\log a_i + \log b_j) / 2)` with :math:`a_i = 1 / N`.
 
-    The exponent (in base 2) is one product of thin factors, the expanded cost of
-    :func:`_normalised_cost` with the potentials as two more columns, so ``S`` costs one bmm
+    The exponent (in base 2) is one product of thin factors, those of the cost
+    (:func:`_cost_factors`) with the potentials as two more columns, so ``S`` costs one bmm
     and one ``exp2`` over ``(B, N, N)``, written into ``out`` when given. Columns of zero-mass
-    points are zero, as in the solver's kernel. ``x`` is ``(B, N, D)``, the rest flattened alike.
+    points are zero, as in the solver's kernel. ``x`` is the centred particles ``(B, N, D)``, the
+    rest flattened alike.
     """
     n = x.shape[-2]
-    c = ((-_LOG2E / eps) / scale2)[:, None, None]
-    sq = x.square().sum(-1, keepdim=True)
-    ones = torch.ones_like(sq)
+    left, right = _cost_factors(x, (-_LOG2E / eps) / scale2)
     row = ((f / eps - 0.5 * math.log(n)) * _LOG2E).unsqueeze(-1)
     col = ((g / eps + 0.5 * log_b) * _LOG2E).masked_fill(zero_mass(log_b), _MASKED_EXPONENT).unsqueeze(-1)
-    left = torch.cat([x, sq, ones, row, ones], -1)
-    right = torch.cat([(-2 * c) * x, c.expand_as(sq), c * sq, ones, col], -1)
+    ones = torch.ones_like(row)
+    left, right = torch.cat([left, row, ones], -1), torch.cat([right, ones, col], -1)
     return torch.bmm(left, right.transpose(1, 2), out=out).exp2_()
 
 
@@ -191,7 +194,9 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         n = x.shape[-2]
         epsilon = settings.epsilon
         with torch.no_grad():
-            cost, scale2 = _normalised_cost(x, workspace=True)
+            centre = x.mean(-2, keepdim=True)
+            x_c = x - centre
+            cost, scale2 = _normalised_cost(x_c, workspace=True)
             log_a = torch.full_like(log_b, -math.log(n))
             # A kernel too large to keep is rebuilt by the backward pass, so the forward's copy
             # dies with the forward and can live in a buffer.
@@ -204,9 +209,9 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             # Centred particles, as in the cost: x_new is their convex combination plus the mean.
             shape, dim = x.shape, x.shape[-1]
             bv = (log_b.exp().reshape(-1, n) * factored.v).unsqueeze(1)
-            x_rows = _centred(x).reshape(-1, n, dim).transpose(1, 2)
+            x_rows = x_c.reshape(-1, n, dim).transpose(1, 2)
             moved = row_products(torch.cat([bv * x_rows, bv], 1), factored.kernel.transpose(1, 2))
-            x_new = (moved[:, :-1] / moved[:, -1:]).transpose(1, 2).reshape(shape) + x.mean(-2, keepdim=True)
+            x_new = (moved[:, :-1] / moved[:, -1:]).transpose(1, 2).reshape(shape) + centre
             rows = ((factored.u / n) * moved[:, -1]).reshape(shape[:-1] + (1,))  # row sums of P
             factored = factored.unflatten(shape[:-2])
             sqrt_a = math.exp(-0.5 * math.log(n))
@@ -246,8 +251,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         # Every formula below is invariant under a common translation of x and x_new; they take
         # the centred particles of the forward pass, free of the cancellation a far-off cloud
         # would cause in float32.
-        x_new = x_new - x.mean(-2, keepdim=True)
-        x = _centred(x)
+        centre = x.mean(-2, keepdim=True)
+        x, x_new = x - centre, x_new - centre
         x, x_new, grad_x_new = (t.reshape(-1, n, dim) for t in (x, x_new, grad_x_new))
         log_b, rows, scale2 = log_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1)
         sqrt_b = (log_b / 2).exp()
@@ -409,7 +414,7 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
     if settings.gradient in ("implicit", "last_step"):
         x_new, matrix, *result = _FusedEnsembleTransform.apply(x, log_weights, settings, plan)
         return EnsembleResult(x_new, matrix if plan else None, SinkhornResult(*result))
-    cost, _ = _normalised_cost(x)
+    cost, _ = _normalised_cost(_centred(x))
     log_a = torch.full_like(log_weights, -math.log(n))
     result = solve(cost, log_a, log_weights, settings)
     matrix = transport_plan(cost, log_a, log_weights, result.f, result.g, settings.epsilon)

@@ -406,7 +406,7 @@ def solve_with_plan(
     if kernel_out is not None:
         kernel_out = kernel_out.view(cost.shape)
     w = _start(cost, log_a, log_b, f, g, annealed, epsilon, kernel_out)
-    masks = (w.a_zero, w.b_zero)  # the working set's own shrink as problems leave it
+    masks = (w.a_zero, w.b_zero)  # over the whole batch: the working set's shrink as problems leave
     # Converged problems leave the working set only under no_grad and on large batches (see
     # the docstring); on small ones they keep iterating with the rest.
     leave = not torch.is_grad_enabled() and cost.numel() >= _COMPACT_MIN_SIZE
