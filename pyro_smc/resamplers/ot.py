@@ -52,7 +52,11 @@ class OTResampler(Resampler):
     multinomial resampling (Jensen), less where the plan is sharp, but typically more than
     systematic resampling's. Particles of zero weight are never drawn. This part is random
     and not differentiable, and a new particle pairs :math:`\tilde x_i` with the label of one of the
-    particles averaged into it, not of a particle at :math:`\tilde x_i`. :class:`~pyro_smc.SMC` passes a
+    particles averaged into it, not of a particle at :math:`\tilde x_i`. So when the continuous
+    state's distribution depends on the label, the averaged particles fit neither label and the
+    labels' filtering probabilities are biased, not only by :math:`O(\epsilon)`: use an index resampler
+    or :class:`~pyro_smc.resamplers.KernelResampler` for such models (``docs/engines/smc.md#discrete-latent-state``
+    gives a measured case). :class:`~pyro_smc.SMC` passes a
     float-coded label (the value of a site with discrete support, such as ``dist.Bernoulli``'s
     0./1.) as an integer tensor, so it is never averaged either. A state with no floating tensor
     has nothing to transport: the plan of zero cost is the independent coupling, and the call is
