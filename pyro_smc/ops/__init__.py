@@ -10,6 +10,7 @@ Modules:
     sinkhorn_implicit: Sinkhorn for gradient="implicit" (the adjoint solve, implicit_adjoint).
     sinkhorn_unrolled: Sinkhorn for gradient="unroll" (log domain, under autograd).
     ensemble: the differentiable ensemble transform (OT resampling) as one fused autograd op.
+    labels: particles grouped by a discrete label (class ids, within-class weights) for label-wise OT.
     kalman: Kalman predict/update/RTS steps and the exact log-evidence.
     affine_chain: filter and smoother of a time-varying affine chain by parallel (associative) scans.
     results: the typed results every engine returns (one name, log_evidence, for the evidence).

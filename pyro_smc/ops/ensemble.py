@@ -52,9 +52,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_unit_mass, implicit_adjoint, solve, transport_plan
+from pyro_smc.ops.labels import class_moments, class_sums, separate_classes
+from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_unit_mass, implicit_adjoint, transport_plan
 from pyro_smc.ops.sinkhorn_kernel import flushing, row_products, zero_mass
 from pyro_smc.ops.sinkhorn_solver import solve_with_plan
+from pyro_smc.ops.sinkhorn_unrolled import unrolled_solve
 
 __all__ = ["EnsembleResult", "ensemble_transform", "ensemble_solve"]
 
@@ -67,9 +69,11 @@ def _centred(x: Tensor) -> Tensor:
     return x - x.mean(-2, keepdim=True).detach()
 
 
-def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor]:
+def _normalised_cost(x: Tensor, workspace: bool = False, classes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     r"""Returns the cost :math:`\lVert x_i - x_j \rVert^2 / \delta^2` and :math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})`
-    of centred particles ``x`` (:func:`_centred`).
+    of centred particles ``x`` (:func:`_centred`), ``delta^2`` as :func:`_scale2` gives it (with
+    ``classes``, each class's own for the pairs within it; pairs across classes are left to
+    :func:`~pyro_smc.ops.labels.separate_classes`).
 
     ``delta`` is part of the function: it is differentiated like the rest (under autograd here,
     by hand in the fused backward), so the gradient is that of the computed transform and
@@ -80,25 +84,35 @@ def _normalised_cost(x: Tensor, workspace: bool = False) -> tuple[Tensor, Tensor
     over ``(..., N, N)``. With ``workspace`` (the fused forward, where the cost dies with the
     solve) it is written into a buffer kept between calls (:func:`_workspace`).
     """
-    n, d = x.shape[-2:]
-    if n > 1:
-        scale2 = d * x.var(dim=-2, unbiased=False).amax(-1)
-    else:
-        scale2 = x.new_zeros(x.shape[:-2])
-    scale2 = torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
+    n = x.shape[-2]
+    scale2 = _scale2(x, classes)
     left, right = _cost_factors(x, 1 / scale2)
     out = _workspace(x.shape[:-1] + (n,), x, "cost") if workspace else None
     return torch.matmul(left, right.transpose(-1, -2), out=out).clamp_min_(0), scale2
 
 
+def _scale2(x: Tensor, classes: Tensor | None) -> Tensor:
+    r""":math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})` of each filter, ``(..., 1)``, or with ``classes`` of
+    each class, given for every particle ``(..., N)``: a class is transported on its own scale,
+    as it would be alone. A degenerate cloud or class (one particle, or all equal) has nothing
+    to transport; its scale is set to 1, a constant, to avoid 0/0."""
+    n, d = x.shape[-2:]
+    if classes is None:
+        var = x.var(dim=-2, unbiased=False) if n > 1 else torch.zeros_like(x[..., 0, :])
+        scale2 = d * var.amax(-1, keepdim=True)
+    else:
+        scale2 = d * class_moments(x, classes)[1].amax(-1)
+    return torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
+
+
 def _cost_factors(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     r"""Thin factors ``(..., N, D + 2)`` of ``scale * ||x_i - x_j||^2``: the expanded quadratic form
     :math:`[x, \lVert x\rVert^2, 1] \, [-2 x, 1, \lVert x\rVert^2]^\top` of
-    :func:`~pyro_smc.ops.sinkhorn.squared_distances`, with ``scale`` ``(...)`` folded into the right
-    factor."""
+    :func:`~pyro_smc.ops.sinkhorn.squared_distances`, with ``scale`` ``(..., 1)`` (or ``(..., N)``, one
+    per column) folded into the right factor."""
     sq = x.square().sum(-1, keepdim=True)
     ones = torch.ones_like(sq)
-    return torch.cat([x, sq, ones], -1), torch.cat([-2 * x, ones, sq], -1) * scale[..., None, None]
+    return torch.cat([x, sq, ones], -1), torch.cat([-2 * x, ones, sq], -1) * scale.unsqueeze(-1)
 
 
 # Per thread, CPU buffers by use and dtype for the fused transform's (B, N, N) temporaries, up
@@ -133,16 +147,22 @@ def _workspace(shape: torch.Size, like: Tensor, use: str) -> Tensor | None:
     return buffer[:numel].view(shape)
 
 
-def _scale_gradient(x: Tensor, grad_scale2: Tensor) -> Tensor:
+def _scale_gradient(x: Tensor, grad_scale2: Tensor, classes: Tensor | None) -> Tensor:
     r""":math:`\partial \ell / \partial x` through :math:`\delta^2 = D \operatorname{var}_{k^*}(x)`, :math:`k^*` the widest coordinate (zero for
-    degenerate clouds, whose scale is the constant 1)."""
+    degenerate clouds, whose scale is the constant 1); ``grad_scale2`` shaped as :func:`_scale2`'s
+    result, with ``classes`` per class."""
     n, d = x.shape[-2:]
-    centred = x - x.mean(-2, keepdim=True)
-    var = centred.square().mean(-2)  # (..., D)
-    # d var_k / d x_ik = 2 centred_ik / n on the widest coordinate only; a degenerate cloud's
-    # variances are all zero and so is its gradient.
-    widest = torch.zeros_like(var).scatter_(-1, var.argmax(-1, keepdim=True), (2 * d / n) * grad_scale2.unsqueeze(-1))
-    return centred * (widest * (var.amax(-1, keepdim=True) > 0)).unsqueeze(-2)
+    if classes is None:
+        centred = x - x.mean(-2, keepdim=True)
+        var = centred.square().mean(-2)  # (..., D)
+        # d var_k / d x_ik = 2 centred_ik / n on the widest coordinate only; a degenerate cloud's
+        # variances are all zero and so is its gradient.
+        widest = torch.zeros_like(var).scatter_(-1, var.argmax(-1, keepdim=True), (2 * d / n) * grad_scale2)
+        return centred * (widest * (var.amax(-1, keepdim=True) > 0)).unsqueeze(-2)
+    # The same within each class, every particle reading its class's variances.
+    centred, var, counts = class_moments(x, classes)
+    factor = (2 * d) * grad_scale2 / counts * (var.amax(-1) > 0)
+    return centred * torch.zeros_like(var).scatter_(-1, var.argmax(-1, keepdim=True), factor.unsqueeze(-1))
 
 
 # The kernel is exp2 of a base-2 exponent (exp2 is several times faster than exp on CPU; see
@@ -156,15 +176,16 @@ _SAVED_KERNEL_MAX_BYTES = 1 << 23
 _MASKED_EXPONENT = -1e30
 
 
-def _symmetric_kernel(x: Tensor, scale2: Tensor, f: Tensor, g: Tensor, log_b: Tensor, eps: float, out: Tensor | None) -> Tensor:
+def _symmetric_kernel(x: Tensor, scale2: Tensor, f: Tensor, g: Tensor, log_b: Tensor, eps: float, out: Tensor | None, classes: Tensor | None) -> Tensor:
     r"""The adjoint's symmetric kernel :math:`S_{ij} = P_{ij} / \sqrt{a_i b_j}` ``(B, N, N)`` rebuilt from the
     solve's potentials: :math:`S_{ij} = \exp((f_i + g_j - C_{ij}) / \epsilon + (\log a_i + \log b_j) / 2)` with :math:`a_i = 1 / N`.
 
     The exponent (in base 2) is one product of thin factors, those of the cost
     (:func:`_cost_factors`) with the potentials as two more columns, so ``S`` costs one bmm
     and one ``exp2`` over ``(B, N, N)``, written into ``out`` when given. Columns of zero-mass
-    points are zero, as in the solver's kernel. ``x`` is the centred particles ``(B, N, D)``, the
-    rest flattened alike.
+    points are zero, as in the solver's kernel, and so are pairs of different ``classes`` (whose
+    potentials carry unrelated gauges). ``x`` is the centred particles ``(B, N, D)``, the rest
+    flattened alike.
     """
     n = x.shape[-2]
     left, right = _cost_factors(x, (-_LOG2E / eps) / scale2)
@@ -172,7 +193,10 @@ def _symmetric_kernel(x: Tensor, scale2: Tensor, f: Tensor, g: Tensor, log_b: Te
     col = ((g / eps + 0.5 * log_b) * _LOG2E).masked_fill(zero_mass(log_b), _MASKED_EXPONENT).unsqueeze(-1)
     ones = torch.ones_like(row)
     left, right = torch.cat([left, row, ones], -1), torch.cat([right, ones, col], -1)
-    return torch.bmm(left, right.transpose(1, 2), out=out).exp2_()
+    kernel = torch.bmm(left, right.transpose(1, 2), out=out).exp2_()
+    if classes is not None:
+        kernel.masked_fill_(classes.unsqueeze(-1) != classes.unsqueeze(-2), 0)
+    return kernel
 
 
 class _FusedEnsembleTransform(torch.autograd.Function):
@@ -190,19 +214,20 @@ class _FusedEnsembleTransform(torch.autograd.Function):
 
     @staticmethod
     @flushing
-    def forward(ctx, x, log_b, settings, want_plan):
+    def forward(ctx, x, log_b, settings, want_plan, classes):
         n = x.shape[-2]
         epsilon = settings.epsilon
         with torch.no_grad():
             centre = x.mean(-2, keepdim=True)
             x_c = x - centre
-            cost, scale2 = _normalised_cost(x_c, workspace=True)
+            cost, scale2 = _normalised_cost(x_c, workspace=True, classes=classes)
+            mean_cost = None if classes is None else separate_classes(cost, x_c, classes, scale2, epsilon)
             log_a = torch.full_like(log_b, -math.log(n))
             # A kernel too large to keep is rebuilt by the backward pass, so the forward's copy
             # dies with the forward and can live in a buffer.
             keep = cost.numel() * cost.element_size() <= _SAVED_KERNEL_MAX_BYTES
             kernel_out = None if keep else _workspace(cost.shape, x, "kernel")
-            result, factored = solve_with_plan(cost, log_a, log_b, settings, stacklevel=4, kernel_out=kernel_out)
+            result, factored = solve_with_plan(cost, log_a, log_b, settings, stacklevel=4, kernel_out=kernel_out, mean_cost=mean_cost)
             # The solver's plan diag(a u) K diag(b v), reused: no exp over (B, N, N). P x and the
             # row sums of P come out of one product with the rows [b v x, b v] (a u cancels in
             # x_new), on the solver's flattened batch.
@@ -228,7 +253,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
                 kernel = x.new_empty(0)  # rebuilt by the backward pass
                 if want_plan:
                     plan = torch.mul(factored.kernel, (factored.u / n).unsqueeze(-1)).mul_((log_b.exp() * factored.v).unsqueeze(-2))
-        ctx.save_for_backward(x, kernel, log_b, result.f, result.g, rows, x_new, scale2)
+        ctx.save_for_backward(x, kernel, log_b, result.f, result.g, rows, x_new, scale2, classes)
         ctx.sqrt_a = sqrt_a
         ctx.epsilon = epsilon
         ctx.exact = settings.gradient == "implicit"
@@ -242,8 +267,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     @flushing
     def backward(ctx, grad_x_new, *_not_differentiable):
         if grad_x_new is None:
-            return None, None, None, None
-        x, kernel, log_b, f, g, rows, x_new, scale2 = ctx.saved_tensors
+            return None, None, None, None, None
+        x, kernel, log_b, f, g, rows, x_new, scale2, classes = ctx.saved_tensors
         sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
         # One batch dimension, and thin factors as rows (B, k, N): every product with the kernel
         # is one bmm, and the kernel is only read, never copied.
@@ -254,7 +279,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         centre = x.mean(-2, keepdim=True)
         x, x_new = x - centre, x_new - centre
         x, x_new, grad_x_new = (t.reshape(-1, n, dim) for t in (x, x_new, grad_x_new))
-        log_b, rows, scale2 = log_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1)
+        log_b, rows, scale2 = log_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1, scale2.shape[-1])
+        classes = None if classes is None else classes.reshape(-1, n)
         sqrt_b = (log_b / 2).exp()
         if kernel.numel():
             kernel = kernel.reshape(-1, n, n)
@@ -262,7 +288,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             # Rebuilt into a buffer only when this backward builds no graph (create_graph=False),
             # so that the buffer's contents die with it.
             out = None if torch.is_grad_enabled() else _workspace(x.shape[:-1] + (n,), x, "kernel")
-            kernel = _symmetric_kernel(x, scale2, f.reshape(-1, n), g.reshape(-1, n), log_b, eps, out)
+            kernel = _symmetric_kernel(x, scale2, f.reshape(-1, n), g.reshape(-1, n), log_b, eps, out, classes)
         # x_new_i = sum_j P_ij x_j / r_i, so d loss / d log P_ij = P_ij (G_i . x_j - c_i) with
         # G_i = grad_i / r_i and c_i = G_i . x_new_i.
         gs = grad_x_new / rows
@@ -274,7 +300,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         col = sqrt_a * sqrt_b * ((x_t * kt_g).sum(1) - kt_c)
         if ctx.exact:
             # alpha = -K beta is not asked for: it comes out of the cost gradient's products.
-            beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, None, col / eps, ctx.tol, alpha=False)[1]
+            beta = implicit_adjoint(kernel, torch.full_like(c, sqrt_a), sqrt_b, None, col / eps, ctx.tol, alpha=False, classes=classes)[1]
         else:
             # gradient="last_step": the potentials are held fixed (no adjoint solve), which is
             # exactly the gradient of one row update f = T_b(g) from the detached g, since the
@@ -292,13 +318,17 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         sums = (h_x[:, -1] + ht_x[:, -1]) * scale
         h_x = h_x[:, :-1] * scale
         hs_x = torch.add(h_x, ht_x[:, :-1], alpha=scale)
-        grad_x = (2 / scale2)[:, None, None] * (sums.unsqueeze(-1) * x - hs_x.transpose(1, 2))
+        grad_x = (2 / scale2).unsqueeze(-1) * (sums.unsqueeze(-1) * x - hs_x.transpose(1, 2))
         # Through the scale: d loss / d delta^2 = -sum_ij H_ij ||x_i - x_j||^2 / delta^4, where
-        # sum_ij H_ij ||x_i - x_j||^2 = sum_i (R_i + S_i) |x_i|^2 - 2 sum_i x_i . (H x)_i.
-        spread = (sums * x.square().sum(-1) - 2 * (x_t * h_x).sum(1)).sum(-1)
-        grad_x = grad_x + _scale_gradient(x, -spread / scale2.square())
+        # sum_ij H_ij ||x_i - x_j||^2 = sum_i (R_i + S_i) |x_i|^2 - 2 sum_i x_i . (H x)_i (with
+        # classes, per class: H is zero across them).
+        spread = (sums * x.square().sum(-1) - 2 * (x_t * h_x).sum(1)).unsqueeze(-1)
+        spread = spread.sum(-2) if classes is None else class_sums(spread, classes).squeeze(-1)
+        grad_x = grad_x + _scale_gradient(x, -spread / scale2.square(), classes)
         grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g.transpose(1, 2)  # through x_j in P x
-        return grad_x.reshape(shape), grad_log_b.reshape(shape[:-1]), None, None
+        return grad_x.reshape(shape), grad_log_b.reshape(shape[:-1]), None, None, None
+
+
 
 
 # Above this many columns ((D + 2) (D + 1) for D-dimensional particles) the cost gradient is
@@ -375,7 +405,7 @@ class EnsembleResult(NamedTuple):
     solve: SinkhornResult
 
 
-def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, plan: bool = True) -> EnsembleResult:
+def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, plan: bool = True, classes: Tensor | None = None) -> EnsembleResult:
     r"""The differentiable ensemble transform under ``settings``, with the solve's diagnostics.
 
     Solves entropic OT from the uniform measure on the particles to the weighted one with the
@@ -389,6 +419,11 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
         settings: the Sinkhorn settings (:class:`~pyro_smc.ops.sinkhorn.SinkhornSettings`).
         plan: whether to return the plan. With ``False`` the ``"implicit"`` and ``"last_step"``
             modes skip one ``(..., N, N)`` product and allocation, and ``plan`` is ``None``.
+        classes: int64 class ids ``(..., N)`` (:func:`~pyro_smc.ops.labels.label_classes`) to
+            transport within: the plan is block-diagonal, no particle moves towards one of
+            another class, and each class's weights must sum to its share ``n_k / N`` of the
+            particles (:func:`~pyro_smc.ops.labels.class_weights` makes them so). ``None``: one
+            class. See ``docs/math/smc.md#discrete-labels-and-optimal-transport``.
 
     Returns:
         An :class:`EnsembleResult` ``(x_new, plan, solve)``. With ``gradient="implicit"`` the
@@ -397,7 +432,7 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
         cheaper, but only approximate); ``"unroll"`` differentiates the plan too.
 
     Raises:
-        ValueError: if the weights do not sum to one.
+        ValueError: if the weights do not sum to one, or ``classes`` is not shaped as them.
 
     Example:
         >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
@@ -411,12 +446,16 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
     """
     n = x.shape[-2]
     check_unit_mass(log_weights)  # the source is uniform, of mass one
+    if classes is not None and classes.shape != log_weights.shape:
+        raise ValueError(f"ensemble_solve: classes must be shaped as log_weights {tuple(log_weights.shape)}, got {tuple(classes.shape)}")
     if settings.gradient in ("implicit", "last_step"):
-        x_new, matrix, *result = _FusedEnsembleTransform.apply(x, log_weights, settings, plan)
+        x_new, matrix, *result = _FusedEnsembleTransform.apply(x, log_weights, settings, plan, classes)
         return EnsembleResult(x_new, matrix if plan else None, SinkhornResult(*result))
-    cost, _ = _normalised_cost(_centred(x))
+    x_c = _centred(x)
+    cost, scale2 = _normalised_cost(x_c, classes=classes)
+    mean_cost = None if classes is None else separate_classes(cost, x_c, classes, scale2, settings.epsilon)
     log_a = torch.full_like(log_weights, -math.log(n))
-    result = solve(cost, log_a, log_weights, settings)
+    result = unrolled_solve(cost, log_a, log_weights, settings, mean_cost)
     matrix = transport_plan(cost, log_a, log_weights, result.f, result.g, settings.epsilon)
     x_new = (matrix @ x) / matrix.sum(-1, keepdim=True)
     return EnsembleResult(x_new, matrix if plan else None, result._replace(f=result.f.detach(), g=result.g.detach()))

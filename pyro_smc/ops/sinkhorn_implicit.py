@@ -47,12 +47,15 @@ _CG_STEPS_BEFORE_DENSE = 25
 _ADJOINT_RESIDUAL_WARN = 1e-2
 
 
-def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> Tensor:
-    r"""Solves :math:`(I - K^\top K + s s^\top) x = \mathrm{rhs}` for every problem of the batch.
+def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float, classes: Tensor | None = None) -> Tensor:
+    r"""Solves :math:`(I - K^\top K + \sum_k s_k s_k^\top) x = \mathrm{rhs}` for every problem of the batch.
 
-    :math:`I - K^\top K` is positive semi-definite with null vector :math:`s = \sqrt{b}` (the gauge
-    ``f + c, g - c`` of the potentials); adding :math:`s s^\top` makes it definite without changing the
-    solution on the consistent right-hand sides the backward pass produces.
+    :math:`I - K^\top K` is positive semi-definite with a null vector for every block of ``K``: for a
+    connected kernel :math:`s = \sqrt{b}` (the gauge ``f + c, g - c`` of the potentials), for a
+    block-diagonal one (``classes``, the column classes ``(..., M)`` of a plan that stays
+    within classes) :math:`s_k`, :math:`\sqrt{b}` on the columns of class ``k``, each with its own
+    gauge. Adding the projections :math:`s_k s_k^\top` (normalised) makes the matrix definite without
+    changing the solution on the consistent right-hand sides the backward pass produces.
 
     Conjugate gradients come first: the system's condition number is ``1 / (1 - sigma_2^2)``
     with ``sigma_2`` the second singular value of ``K``, the same quantity that sets the
@@ -68,13 +71,13 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
     kernel = kernel.reshape(-1, n, m)
     kernel_t = kernel.transpose(1, 2)
     sqrt_b, rhs = sqrt_b.expand(shape).reshape(-1, 1, m), rhs.reshape(-1, 1, m)
-    s = sqrt_b / sqrt_b.norm(dim=-1, keepdim=True)
+    gauge = _Gauge(sqrt_b, None if classes is None else classes.expand(shape).reshape(-1, 1, m))
     tiny = torch.finfo(rhs.dtype).tiny
     # Below a few ulps the residual is rounding noise; asking for less would never stop.
     tol = max(tol, 30 * torch.finfo(rhs.dtype).eps)
 
     def matvec(v: Tensor) -> Tensor:
-        return torch.addcmul(v - torch.bmm(torch.bmm(v, kernel_t), kernel), s, (s * v).sum(-1, keepdim=True))
+        return gauge.add_projection(v - torch.bmm(torch.bmm(v, kernel_t), kernel), v)
 
     x = torch.zeros_like(rhs)
     r = rhs.clone()
@@ -101,12 +104,13 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
         converged |= ~(rs_new > stop)
         p = torch.addcmul(r, rs_new / rs.clamp_min(tiny), p)
         rs = rs_new
-    left = ~converged.reshape(-1)
+    # A problem stopped on a NaN residual is not solved: the dense solve takes it too.
+    left = ~(rs <= stop).reshape(-1)
     dense = m <= _DENSE_SOLVE_MAX and bool(left.any())
     if dense:
-        k, sl = kernel[left], s[left]
+        k = kernel[left]
         eye = torch.eye(m, dtype=kernel.dtype, device=kernel.device)
-        mat = eye - k.transpose(-1, -2) @ k + sl.transpose(1, 2) * sl
+        mat = eye - k.transpose(-1, -2) @ k + gauge.projection_matrix(left)
         # The matrix is symmetric positive definite: Cholesky is about twice as fast as LU.
         chol, info = torch.linalg.cholesky_ex(mat)
         if bool((info == 0).all()):
@@ -134,8 +138,44 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float) -> T
     return x.reshape(shape)
 
 
+class _Gauge:
+    """The normalised null vectors :math:`s_k` of the adjoint system, one per block of the kernel,
+    for problems flattened to rows ``(B, 1, M)``: ``classes`` ``(B, 1, M)`` (``None``: one block)."""
+
+    def __init__(self, sqrt_b: Tensor, classes: Tensor | None):
+        self.classes = classes
+        if classes is None:
+            self.s = sqrt_b / sqrt_b.norm(dim=-1, keepdim=True)
+        else:
+            norms = torch.zeros_like(sqrt_b).scatter_add_(-1, classes, sqrt_b.square()).gather(-1, classes)
+            self.s = sqrt_b / norms.sqrt().clamp_min(torch.finfo(sqrt_b.dtype).tiny)
+
+    def add_projection(self, out: Tensor, v: Tensor) -> Tensor:
+        r""":math:`\mathrm{out} + \sum_k s_k (s_k \cdot v)`."""
+        if self.classes is None:
+            return torch.addcmul(out, self.s, (self.s * v).sum(-1, keepdim=True))
+        dots = torch.zeros_like(v).scatter_add_(-1, self.classes, self.s * v).gather(-1, self.classes)
+        return torch.addcmul(out, self.s, dots)
+
+    def projection_matrix(self, rows: Tensor) -> Tensor:
+        r""":math:`\sum_k s_k s_k^\top` ``(b, M, M)`` of the problems selected by ``rows``."""
+        s = self.s[rows]
+        outer = s.transpose(1, 2) * s
+        if self.classes is None:
+            return outer
+        classes = self.classes[rows]
+        return outer * (classes.transpose(1, 2) == classes)
+
+
 def implicit_adjoint(
-    kernel: Tensor, sqrt_a: Tensor, sqrt_b: Tensor, grad_f: Tensor | None, grad_g: Tensor, tol: float, alpha: bool = True
+    kernel: Tensor,
+    sqrt_a: Tensor,
+    sqrt_b: Tensor,
+    grad_f: Tensor | None,
+    grad_g: Tensor,
+    tol: float,
+    alpha: bool = True,
+    classes: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor]:
     r"""Adjoint variables of the Sinkhorn fixed point (the core of every implicit backward pass).
 
@@ -157,6 +197,10 @@ def implicit_adjoint(
         tol: relative residual tolerance of the linear solve.
         alpha: whether to form ``alpha`` (one product with ``K``); ``None`` stands for it when
             not (callers that multiply ``K`` by ``beta`` anyway read it off their product).
+        classes: for a block-diagonal kernel (a plan that stays within classes), the int64
+            class ids ``(..., M)`` of the columns, rows of class ``k`` having no mass outside
+            the columns of class ``k``: each block then has its own gauge (see
+            ``docs/math/smc.md#discrete-labels-and-optimal-transport``).
 
     Returns:
         ``(alpha, beta)``, shapes ``(..., N)`` and ``(..., M)`` (``alpha`` ``None`` unless asked
@@ -187,10 +231,10 @@ def implicit_adjoint(
     """
     r_g = torch.where(sqrt_b > 0, grad_g / sqrt_b, torch.zeros_like(grad_g))
     if grad_f is None:  # a zero right-hand side in f (the ensemble transform's): one product less
-        beta = _adjoint_solve(kernel, sqrt_b, r_g, tol)
+        beta = _adjoint_solve(kernel, sqrt_b, r_g, tol, classes)
         return (-rowsum(kernel, beta) if alpha else None), beta
     r_f = grad_f / sqrt_a
-    beta = _adjoint_solve(kernel, sqrt_b, r_g - colsum(kernel, r_f), tol)
+    beta = _adjoint_solve(kernel, sqrt_b, r_g - colsum(kernel, r_f), tol, classes)
     return (r_f - rowsum(kernel, beta) if alpha else None), beta
 
 

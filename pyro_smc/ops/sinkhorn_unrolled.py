@@ -80,7 +80,7 @@ def _c_transforms(cost: Tensor, log_a: Tensor, log_b: Tensor, eps: float) -> tup
     return g_of, f_of
 
 
-def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings) -> SinkhornResult:
+def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: SinkhornSettings, mean_cost: float | None = None) -> SinkhornResult:
     r"""Sinkhorn for ``gradient="unroll"``: every iteration in the log domain, under autograd.
 
     The fast loop of :func:`pyro_smc.ops.sinkhorn_solver.forward_solve` works on scalings
@@ -94,6 +94,9 @@ def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhor
     The column error needs no extra pass: after ``f = f(g)`` the plan's columns sum to
     :math:`b_j \exp((g_j - g(f)_j) / \epsilon)`, and ``g(f)`` is the next iteration's update anyway.
 
+    ``mean_cost`` replaces the cost's mean in the annealing schedule
+    (:func:`~pyro_smc.ops.sinkhorn_solver.epsilon_schedule`).
+
     Returns:
         The :class:`SinkhornResult` over the broadcast batch shape; every problem runs the same
         number of iterations, and ``marginal_error`` is the column error of the returned plan
@@ -105,7 +108,7 @@ def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhor
     log_b = log_b.expand(batch_shape + log_b.shape[-1:])
     f = torch.zeros_like(log_a)
     g = torch.zeros_like(log_b)
-    for eps in epsilon_schedule(cost, epsilon, settings.scaling):
+    for eps in epsilon_schedule(cost, epsilon, settings.scaling, mean_cost):
         g_of, f_of = _c_transforms(cost, log_a, log_b, eps)
         f, g = (f + f_of(g)) / 2, (g + g_of(f)) / 2
     g_of, f_of = _c_transforms(cost, log_a, log_b, epsilon)

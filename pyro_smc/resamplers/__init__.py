@@ -21,8 +21,8 @@ resampler keeps no record of its last call.
   of the weight gradient.
 * :class:`OTResampler` (``pyro_smc.resamplers.ot``): the differentiable ensemble transform
   of Corenflos et al. (2021), an entropy-regularised optimal-transport map that is smooth in
-  particles and weights. Integer state (e.g. a regime label) is not averaged: it comes from one
-  ancestor per new particle, drawn from that particle's row of the transport plan. Its
+  particles and weights. Integer state (e.g. a regime label) is not averaged: the transport
+  runs within each label, and systematic resampling over the labels sets their offspring. Its
   ``Resampled.diagnostics`` is the Sinkhorn solve's
   :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` (whether each filter's transport converged).
 * :class:`DiffusionResampler` (``pyro_smc.resamplers.diffusion``): diffusion resampling

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pyro_smc.ops import resample as schemes
 from pyro_smc.ops.ensemble import ensemble_solve
+from pyro_smc.ops.labels import class_weights, label_classes
 from pyro_smc.ops.sinkhorn import SinkhornSettings
 from pyro_smc.resamplers.base import Particles, Resampled, Resampler, check_particles, flatten_floats, gather, unflatten_floats
 
@@ -41,26 +42,34 @@ class OTResampler(Resampler):
     error); the output is equally weighted.
 
     Integer (and other non-floating) state tensors, e.g. a discrete regime label, cannot be
-    averaged. Each new particle ``i`` instead draws one ancestor :math:`A_i \sim \operatorname{Categorical}(N P_{i\cdot})`
-    from its row of the (detached) plan, independently across particles, and every
-    non-floating tensor takes its value from that ancestor, so labels of one particle stay
-    consistent with each other. The rows of ``P`` sum to :math:`1/N` and its columns to the
-    weights, so :math:`\Pr(A_i = j)` averaged over ``i`` is :math:`w_j`: the weighted distribution of
-    the labels is kept in expectation (up to the marginal error, below ``threshold``). The
-    draws are independent, so the variance of a label count is :math:`\sum_i p_i (1 - p_i)` with
-    :math:`p_i = N \sum_{j : z_j = 1} P_{ij}` the row's share of the label: at most that of
-    multinomial resampling (Jensen), less where the plan is sharp, but typically more than
-    systematic resampling's. Particles of zero weight are never drawn. This part is random
-    and not differentiable, and a new particle pairs :math:`\tilde x_i` with the label of one of the
-    particles averaged into it, not of a particle at :math:`\tilde x_i`. So when the continuous
-    state's distribution depends on the label, the averaged particles fit neither label and the
-    labels' filtering probabilities are biased, not only by :math:`O(\epsilon)`: use an index resampler
-    or :class:`~pyro_smc.resamplers.KernelResampler` for such models (``docs/engines/smc.md#discrete-latent-state``
-    gives a measured case). :class:`~pyro_smc.SMC` passes a
-    float-coded label (the value of a site with discrete support, such as ``dist.Bernoulli``'s
-    0./1.) as an integer tensor, so it is never averaged either. A state with no floating tensor
-    has nothing to transport: the plan of zero cost is the independent coupling, and the call is
-    multinomial resampling.
+    averaged, and a continuous state may only be averaged over particles that share its label:
+    when the label shapes the continuous state, a particle moved to an average over two labels
+    fits neither, and the labels' filtering probabilities are biased far beyond
+    :math:`O(\epsilon)`. With such tensors the resampling is label-wise:
+
+    1. the particles are grouped by the joint value of all their non-floating tensors (the
+       classes :math:`k`, with masses :math:`W_k` and sizes :math:`n_k`);
+    2. each class is transported within itself, on its own cost scale, from the uniform
+       measure on its particles to its weights renormalised within it: one block-diagonal entropic plan for all classes
+       (a class of zero weight is transported with uniform weights), so every new particle is
+       an average over particles of its own label and keeps that label;
+    3. the new particles, equally weighted within a class, carry weight :math:`W_k / n_k` each,
+       and systematic resampling of them by these weights, each class's particles side by side,
+       gives class ``k`` :math:`\lfloor N W_k \rfloor` or :math:`\lceil N W_k \rceil` new particles (on average
+       :math:`N W_k`).
+
+    The labels' weighted distribution is kept in expectation, with systematic resampling's
+    variance. Step 3 is a discrete choice: the new log-weights are :math:`-\log N` in value
+    but carry the gradient of the chosen class's log-mass (the stop-gradient form of
+    :class:`~pyro_smc.resamplers.SystematicResampler`), so a parameter that moves mass between
+    labels still has a gradient path; within a class the gradient is the transport's
+    (pathwise). A label with many values leaves small classes, and a class of one particle is
+    not moved at all: the resampling tends to index resampling as the classes shrink.
+    :class:`~pyro_smc.SMC` passes a float-coded label (the value of a site with discrete
+    support, such as ``dist.Bernoulli``'s 0./1.) as an integer tensor, so it is grouped by too.
+    A state with no floating tensor has nothing to transport: the plan of zero cost is the
+    independent coupling, and the call is multinomial resampling. See
+    ``docs/math/smc.md#discrete-labels-and-optimal-transport``.
 
     Args:
         epsilon: regularisation on the normalised cost scale, ``> 0``; smaller is closer to
@@ -87,8 +96,8 @@ class OTResampler(Resampler):
         ``(particles, log_weights)`` when called: each state tensor ``(..., N, *event)`` and the
         normalised new log-weights ``(..., N)``, shaped as the inputs. :meth:`resample` returns
         the :class:`~pyro_smc.resamplers.Resampled` whose ``diagnostics`` is the
-        :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` of the call's Sinkhorn solve, all of it
-        detached. With ``batch = log_weights.shape[:-1]`` (the filters of that call):
+        :class:`~pyro_smc.ops.sinkhorn.SinkhornResult` of the call's Sinkhorn solve (label-wise:
+        the one block-diagonal solve of every class), all of it detached. With ``batch = log_weights.shape[:-1]`` (the filters of that call):
         ``converged`` ``batch`` bool, whether the plan met ``threshold`` within ``max_iter``
         (the solver also warns, :class:`~pyro_smc.ops.sinkhorn.SinkhornConvergenceWarning`);
         ``num_iterations`` ``batch`` int64; ``marginal_error`` ``batch`` in the dtype of
@@ -148,24 +157,21 @@ class OTResampler(Resampler):
             # P = (1/N) w^T, whose rows draw ancestors by the weights (multinomial resampling).
             index = schemes.multinomial(log_weights)
             return Resampled(gather(particles, index), torch.full_like(log_weights, -math.log(n)), index)
+        uniform = torch.full_like(log_weights, -math.log(n))
         others = {k: v for k, v in particles.items() if k not in floats}
-        x_new, plan, solve = ensemble_solve(x, log_weights, self.settings, plan=bool(others))
+        if not others:
+            x_new, _, solve = ensemble_solve(x, log_weights, self.settings, plan=False)
+            return Resampled(unflatten_floats(x_new, floats), uniform, diagnostics=solve)
+        classes = label_classes(torch.cat([v.reshape(log_weights.shape + (-1,)).long() for v in others.values()], -1))
+        within, log_share = class_weights(log_weights, classes)
+        x_new, _, solve = ensemble_solve(x, within, self.settings, plan=False, classes=classes)
         out = unflatten_floats(x_new, floats)
-        if others:
-            out.update(gather(others, _ancestors_from_plan(plan.detach())))
-        return Resampled(out, torch.full_like(log_weights, -math.log(n)), diagnostics=solve)
-
-
-def _ancestors_from_plan(plan: Tensor) -> Tensor:
-    """One ancestor per row of ``plan`` ``(..., N, M)``: ``A_i ~ Categorical(plan[..., i, :])``.
-
-    Rows need not be normalised. Inverse CDF with ``u = (1 - U) * row_sum`` in ``(0, row_sum]``
-    and the first index whose cumulative mass reaches ``u``: a column of zero mass repeats the
-    cumulative sum before it and so is never chosen, even when ``u`` rounds up to the row sum.
-    No host synchronisation; the device and dtype are the plan's.
-    """
-    cdf = plan.cumsum(-1)
-    u = (1 - torch.rand(cdf.shape[:-1] + (1,), dtype=cdf.dtype, device=cdf.device)) * cdf[..., -1:]
-    index = torch.searchsorted(cdf, u, right=False).squeeze(-1)
-    # Only a non-finite plan can put u beyond the last cumulative mass.
-    return index.clamp_(max=plan.shape[-1] - 1)
+        out.update(others)
+        if not bool((classes == 0).all()):  # one label everywhere: every share is 1/N already
+            # Systematic resampling with each class's particles side by side: a class is one
+            # stretch of the cumulative weights, so it gets floor or ceil of N W_k offspring.
+            order = classes.argsort(dim=-1, stable=True)
+            index = order.gather(-1, schemes.systematic(log_share.detach().gather(-1, order)))
+            out = gather(out, index)
+            uniform = schemes.stop_gradient_log_weights(log_share, index)
+        return Resampled(out, uniform, diagnostics=solve)

@@ -302,3 +302,19 @@ def test_a_far_off_cloud_in_float32_is_transported_and_differentiated_as_in_floa
     assert float((x32 - x64).abs().max()) < 5e-3
     assert float((gx32 - gx64).norm() / gx64.norm()) < 1e-2
     assert float((gl32 - gl64).norm() / gl64.norm()) < 1e-2
+
+
+def test_a_small_problem_whose_conjugate_gradients_break_down_is_solved_densely():
+    """CG on an indefinite adjoint system (a forward solve whose kernel's top singular value
+    exceeds one) divides by a negative curvature and turns NaN. A NaN residual stops CG at once,
+    and a small problem must then go to the dense solve, not come back as NaN (it did: the
+    stop counted as convergence; found in a filter with labels at epsilon 0.1)."""
+    m = 40
+    kernel = 1.2 * torch.eye(m, dtype=torch.float64).expand(2, m, m)  # I - K^T K = -0.44 I
+    sqrt_b = torch.full((2, m), m**-0.5, dtype=torch.float64)
+    rhs = torch.randn(2, m, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rhs = rhs - (rhs * sqrt_b).sum(-1, keepdim=True) * sqrt_b  # orthogonal to the null vector
+    x = sk._adjoint_solve(kernel, sqrt_b, rhs, 1e-10)
+    s = sqrt_b.unsqueeze(-1) / sqrt_b.norm(dim=-1)[:, None, None]
+    matrix = torch.eye(m, dtype=torch.float64) - kernel.transpose(1, 2) @ kernel + s @ s.transpose(1, 2)
+    assert torch.allclose(x, torch.linalg.solve(matrix, rhs.unsqueeze(-1)).squeeze(-1))

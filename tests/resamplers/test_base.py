@@ -67,7 +67,17 @@ def test_resamplers(filters, n, dtype, seed, kind, epsilon, event, scale, zero_f
         assert torch.equal(new["b"], b.gather(len(filters), ancestors.unsqueeze(-1).expand(b.shape)))
         assert torch.isfinite(lw.gather(-1, ancestors)).all()
         return
-    # OT: the resampler is the ensemble transform of the concatenated float state.
+    # OT with a label of its own for every particle: each class is one particle, which stays
+    # where it is, and the classes' offspring are drawn by the weights (systematic resampling).
+    ancestors = new["label"]
+    assert torch.isfinite(lw.gather(-1, ancestors)).all()
+    # (up to the rounding of the centred coordinates the transform works in)
+    close = dict(rtol=0, atol=8 * eps(dtype) * (1 + float(torch.cat([a.flatten(), b.flatten()]).abs().max())))
+    assert torch.allclose(new["a"], a.gather(len(filters), ancestors.reshape(ancestors.shape + (1,) * len(event)).expand(a.shape)), **close)
+    assert torch.allclose(new["b"], b.gather(len(filters), ancestors.unsqueeze(-1).expand(b.shape)), **close)
+    # OT without the label: the ensemble transform of the concatenated float state.
+    new, new_lw = _make_resampler(kind, epsilon)({"a": a, "b": b}, lw)
+    assert torch.allclose(new_lw, torch.full_like(lw, -math.log(n)))
     assert torch.isfinite(new["a"]).all() and torch.isfinite(new["b"]).all()
     x = torch.cat([a.reshape(filters + (n, -1)), b], -1)
     x_new, plan = ensemble_transform(x, lw, epsilon)

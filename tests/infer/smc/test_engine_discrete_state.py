@@ -3,7 +3,7 @@
 A regime label may be an integer tensor (``dist.Categorical``) or a float one (``dist.Bernoulli``
 draws 0./1.). ``SMC`` reads each state key's site off the trace and passes the keys of
 discrete-support sites to the resampler as integers, so optimal transport moves the continuous
-state by its barycentric map and copies the labels from ancestors drawn from the plan; a kernel
+state within each label and sets the labels' offspring by systematic resampling; a kernel
 resampler jitters the continuous state only. Oracles: the exact forward(-backward) algorithm of
 the hidden Markov model, and exact enumeration of the regime paths with a Kalman filter per path
 for the switching AR. Tolerances are ``MC_SIGMAS`` standard errors over independent filters.
