@@ -6,13 +6,15 @@ plan from the uniform measure on the particles to the weighted one,
 .. math::
 
     \tilde x_i = \frac{\sum_j P_{ij} x_j}{\sum_j P_{ij}}, \qquad
-    C_{ij} = \frac{\lVert x_i - x_j \rVert^2}{\delta^2}, \qquad
-    \delta = \sqrt{D} \max_k \operatorname{std}_i(x_{ik}),
+    C_{ij} = \frac{1}{D} \sum_{d=1}^D \frac{(x_{id} - x_{jd})^2}{\operatorname{var}_d},
 
-which preserves the weighted mean (up to the marginal error) and is smooth in the particles and
-the log-weights. ``delta`` makes ``epsilon`` free of the state's scale and dimension; it is
-differentiated with the rest (Corenflos et al. detach it), so the gradient is the derivative of
-the transform actually computed and matches its finite differences.
+with :math:`\operatorname{var}_d` the spread of coordinate ``d`` over the particles, which preserves
+the weighted mean (up to the marginal error) and is smooth in the particles and the log-weights.
+Measuring each coordinate on its own spread makes ``epsilon`` free of the state's dimension and
+of the units of every coordinate (Corenflos et al. divide by the widest coordinate's variance
+instead, which left a coordinate 1000 times narrower than another untransported). The spreads
+are differentiated with the rest, so the gradient is the derivative of the transform actually
+computed and matches its finite differences.
 
 With ``gradient="implicit"`` the whole transform is one fused autograd function: Sinkhorn runs
 without autograd, and the backward pass goes from ``d loss / d x_new`` to the gradients of the
@@ -52,7 +54,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pyro_smc.ops.labels import class_moments, class_sums, separate_classes
+from pyro_smc.ops.labels import class_moments, separate_classes
 from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_unit_mass, implicit_adjoint, transport_plan
 from pyro_smc.ops.sinkhorn_kernel import flushing, row_products, zero_mass
 from pyro_smc.ops.sinkhorn_solver import solve_with_plan
@@ -69,50 +71,28 @@ def _centred(x: Tensor) -> Tensor:
     return x - x.mean(-2, keepdim=True).detach()
 
 
-def _normalised_cost(x: Tensor, workspace: bool = False, classes: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    r"""Returns the cost :math:`\lVert x_i - x_j \rVert^2 / \delta^2` and :math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})`
-    of centred particles ``x`` (:func:`_centred`), ``delta^2`` as :func:`_scale2` gives it (with
-    ``classes``, each class's own for the pairs within it; pairs across classes are left to
-    :func:`~pyro_smc.ops.labels.separate_classes`).
-
-    ``delta`` is part of the function: it is differentiated like the rest (under autograd here,
-    by hand in the fused backward), so the gradient is that of the computed transform and
-    matches its finite differences. A degenerate cloud (all particles equal) has nothing to
-    transport; its scale is set to 1, a constant, to avoid 0/0.
+def _normalised_cost(x: Tensor, workspace: bool = False) -> Tensor:
+    r"""The cost :math:`\lVert x_i - x_j \rVert^2 / D` of standardised, centred particles ``x`` ``(..., N, D)``
+    (:func:`_coordinate_scale`, :func:`_centred`): with ``x`` divided by each coordinate's
+    spread, the cost :math:`\sum_d (x_{id} - x_{jd})^2 / (D \operatorname{var}_d)` of the original particles.
 
     The cost is one product of the thin factors of :func:`_cost_factors` and one clamp, both
     over ``(..., N, N)``. With ``workspace`` (the fused forward, where the cost dies with the
     solve) it is written into a buffer kept between calls (:func:`_workspace`).
     """
-    n = x.shape[-2]
-    scale2 = _scale2(x, classes)
-    left, right = _cost_factors(x, 1 / scale2)
-    out = _workspace(x.shape[:-1] + (n,), x, "cost") if workspace else None
-    return torch.matmul(left, right.transpose(-1, -2), out=out).clamp_min_(0), scale2
-
-
-def _scale2(x: Tensor, classes: Tensor | None) -> Tensor:
-    r""":math:`\delta^2 = D \max_k \operatorname{var}_i(x_{ik})` of each filter, ``(..., 1)``, or with ``classes`` of
-    each class, given for every particle ``(..., N)``: a class is transported on its own scale,
-    as it would be alone. A degenerate cloud or class (one particle, or all equal) has nothing
-    to transport; its scale is set to 1, a constant, to avoid 0/0."""
     n, d = x.shape[-2:]
-    if classes is None:
-        var = x.var(dim=-2, unbiased=False) if n > 1 else torch.zeros_like(x[..., 0, :])
-        scale2 = d * var.amax(-1, keepdim=True)
-    else:
-        scale2 = d * class_moments(x, classes)[1].amax(-1)
-    return torch.where(scale2 > 0, scale2, torch.ones_like(scale2))
+    left, right = _cost_factors(x, 1 / d)
+    out = _workspace(x.shape[:-1] + (n,), x, "cost") if workspace else None
+    return torch.matmul(left, right.transpose(-1, -2), out=out).clamp_min_(0)
 
 
-def _cost_factors(x: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+def _cost_factors(x: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     r"""Thin factors ``(..., N, D + 2)`` of ``scale * ||x_i - x_j||^2``: the expanded quadratic form
     :math:`[x, \lVert x\rVert^2, 1] \, [-2 x, 1, \lVert x\rVert^2]^\top` of
-    :func:`~pyro_smc.ops.sinkhorn.squared_distances`, with ``scale`` ``(..., 1)`` (or ``(..., N)``, one
-    per column) folded into the right factor."""
+    :func:`~pyro_smc.ops.sinkhorn.squared_distances`, with ``scale`` folded into the right factor."""
     sq = x.square().sum(-1, keepdim=True)
     ones = torch.ones_like(sq)
-    return torch.cat([x, sq, ones], -1), torch.cat([-2 * x, ones, sq], -1) * scale.unsqueeze(-1)
+    return torch.cat([x, sq, ones], -1), torch.cat([-2 * x, ones, sq], -1) * scale
 
 
 # Per thread, CPU buffers by use and dtype for the fused transform's (B, N, N) temporaries, up
@@ -147,24 +127,6 @@ def _workspace(shape: torch.Size, like: Tensor, use: str) -> Tensor | None:
     return buffer[:numel].view(shape)
 
 
-def _scale_gradient(x: Tensor, grad_scale2: Tensor, classes: Tensor | None) -> Tensor:
-    r""":math:`\partial \ell / \partial x` through :math:`\delta^2 = D \operatorname{var}_{k^*}(x)`, :math:`k^*` the widest coordinate (zero for
-    degenerate clouds, whose scale is the constant 1); ``grad_scale2`` shaped as :func:`_scale2`'s
-    result, with ``classes`` per class."""
-    n, d = x.shape[-2:]
-    if classes is None:
-        centred = x - x.mean(-2, keepdim=True)
-        var = centred.square().mean(-2)  # (..., D)
-        # d var_k / d x_ik = 2 centred_ik / n on the widest coordinate only; a degenerate cloud's
-        # variances are all zero and so is its gradient.
-        widest = torch.zeros_like(var).scatter_(-1, var.argmax(-1, keepdim=True), (2 * d / n) * grad_scale2)
-        return centred * (widest * (var.amax(-1, keepdim=True) > 0)).unsqueeze(-2)
-    # The same within each class, every particle reading its class's variances.
-    centred, var, counts = class_moments(x, classes)
-    factor = (2 * d) * grad_scale2 / counts * (var.amax(-1) > 0)
-    return centred * torch.zeros_like(var).scatter_(-1, var.argmax(-1, keepdim=True), factor.unsqueeze(-1))
-
-
 # The kernel is exp2 of a base-2 exponent (exp2 is several times faster than exp on CPU; see
 # pyro_smc.ops.sinkhorn_kernel).
 _LOG2E = 1 / math.log(2)
@@ -176,7 +138,7 @@ _SAVED_KERNEL_MAX_BYTES = 1 << 23
 _MASKED_EXPONENT = -1e30
 
 
-def _symmetric_kernel(x: Tensor, scale2: Tensor, f: Tensor, g: Tensor, log_b: Tensor, eps: float, out: Tensor | None, classes: Tensor | None) -> Tensor:
+def _symmetric_kernel(x: Tensor, f: Tensor, g: Tensor, log_b: Tensor, eps: float, out: Tensor | None, classes: Tensor | None) -> Tensor:
     r"""The adjoint's symmetric kernel :math:`S_{ij} = P_{ij} / \sqrt{a_i b_j}` ``(B, N, N)`` rebuilt from the
     solve's potentials: :math:`S_{ij} = \exp((f_i + g_j - C_{ij}) / \epsilon + (\log a_i + \log b_j) / 2)` with :math:`a_i = 1 / N`.
 
@@ -187,8 +149,8 @@ def _symmetric_kernel(x: Tensor, scale2: Tensor, f: Tensor, g: Tensor, log_b: Te
     potentials carry unrelated gauges). ``x`` is the centred particles ``(B, N, D)``, the rest
     flattened alike.
     """
-    n = x.shape[-2]
-    left, right = _cost_factors(x, (-_LOG2E / eps) / scale2)
+    n, d = x.shape[-2:]
+    left, right = _cost_factors(x, (-_LOG2E / eps) / d)
     row = ((f / eps - 0.5 * math.log(n)) * _LOG2E).unsqueeze(-1)
     col = ((g / eps + 0.5 * log_b) * _LOG2E).masked_fill(zero_mass(log_b), _MASKED_EXPONENT).unsqueeze(-1)
     ones = torch.ones_like(row)
@@ -210,6 +172,9 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     saved tensors until its backward pass, so saved kernels grow with N^2 times the number of
     resampling steps (8 x 2000 x 2000 in float32 is 128 MB a step); small ones cost less to
     keep than to rebuild (at 32 x 100 the rebuild added about 0.8 ms to a 3 ms backward).
+
+    Its particles come standardised (each coordinate divided by its spread, by
+    :func:`ensemble_solve`, under autograd), so the cost is :math:`\lVert x_i - x_j \rVert^2 / D`.
     """
 
     @staticmethod
@@ -220,8 +185,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         with torch.no_grad():
             centre = x.mean(-2, keepdim=True)
             x_c = x - centre
-            cost, scale2 = _normalised_cost(x_c, workspace=True, classes=classes)
-            mean_cost = None if classes is None else separate_classes(cost, x_c, classes, scale2, epsilon)
+            cost = _normalised_cost(x_c, workspace=True)
+            mean_cost = None if classes is None else separate_classes(cost, x_c, classes, x.shape[-1], epsilon)
             log_a = torch.full_like(log_b, -math.log(n))
             # A kernel too large to keep is rebuilt by the backward pass, so the forward's copy
             # dies with the forward and can live in a buffer.
@@ -253,7 +218,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
                 kernel = x.new_empty(0)  # rebuilt by the backward pass
                 if want_plan:
                     plan = torch.mul(factored.kernel, (factored.u / n).unsqueeze(-1)).mul_((log_b.exp() * factored.v).unsqueeze(-2))
-        ctx.save_for_backward(x, kernel, log_b, result.f, result.g, rows, x_new, scale2, classes)
+        ctx.save_for_backward(x, kernel, log_b, result.f, result.g, rows, x_new, classes)
         ctx.sqrt_a = sqrt_a
         ctx.epsilon = epsilon
         ctx.exact = settings.gradient == "implicit"
@@ -268,7 +233,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     def backward(ctx, grad_x_new, *_not_differentiable):
         if grad_x_new is None:
             return None, None, None, None, None
-        x, kernel, log_b, f, g, rows, x_new, scale2, classes = ctx.saved_tensors
+        x, kernel, log_b, f, g, rows, x_new, classes = ctx.saved_tensors
         sqrt_a, eps = ctx.sqrt_a, ctx.epsilon
         # One batch dimension, and thin factors as rows (B, k, N): every product with the kernel
         # is one bmm, and the kernel is only read, never copied.
@@ -279,7 +244,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         centre = x.mean(-2, keepdim=True)
         x, x_new = x - centre, x_new - centre
         x, x_new, grad_x_new = (t.reshape(-1, n, dim) for t in (x, x_new, grad_x_new))
-        log_b, rows, scale2 = log_b.reshape(-1, n), rows.reshape(-1, n, 1), scale2.reshape(-1, scale2.shape[-1])
+        log_b, rows = log_b.reshape(-1, n), rows.reshape(-1, n, 1)
         classes = None if classes is None else classes.reshape(-1, n)
         sqrt_b = (log_b / 2).exp()
         if kernel.numel():
@@ -288,7 +253,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             # Rebuilt into a buffer only when this backward builds no graph (create_graph=False),
             # so that the buffer's contents die with it.
             out = None if torch.is_grad_enabled() else _workspace(x.shape[:-1] + (n,), x, "kernel")
-            kernel = _symmetric_kernel(x, scale2, f.reshape(-1, n), g.reshape(-1, n), log_b, eps, out, classes)
+            kernel = _symmetric_kernel(x, f.reshape(-1, n), g.reshape(-1, n), log_b, eps, out, classes)
         # x_new_i = sum_j P_ij x_j / r_i, so d loss / d log P_ij = P_ij (G_i . x_j - c_i) with
         # G_i = grad_i / r_i and c_i = G_i . x_new_i.
         gs = grad_x_new / rows
@@ -308,8 +273,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
             beta = torch.zeros_like(col)
         # d loss / d C = -(1/eps) d loss / d log P + K * (alpha_i sqrt(b_j) + sqrt(a) beta_j)
         #              = (sqrt(a) / eps) K * (eps beta_j - sqrt(b_j) (G_i . x_j - d_i)),
-        # with d_i = c_i + eps alpha_i / sqrt(a). C_ij = ||x_i - x_j||^2 / delta^2, so
-        # d loss / d x_k = (2 / delta^2) ((R_k + S_k) x_k - (H x)_k - (H^T x)_k) with R, S the
+        # with d_i = c_i + eps alpha_i / sqrt(a). C_ij = ||x_i - x_j||^2 / D, so
+        # d loss / d x_k = (2 / D) ((R_k + S_k) x_k - (H x)_k - (H^T x)_k) with R, S the
         # row and column sums of H = d loss / d C: all from H [x, 1] and H^T [x, 1].
         x1_t = torch.cat([x_t, torch.ones_like(x_t[:, :1])], 1)
         h_x, ht_x, kt_alpha = _cost_gradient_products(kernel, gs, x, c, sqrt_a, eps, sqrt_b, beta, x1_t)
@@ -318,13 +283,8 @@ class _FusedEnsembleTransform(torch.autograd.Function):
         sums = (h_x[:, -1] + ht_x[:, -1]) * scale
         h_x = h_x[:, :-1] * scale
         hs_x = torch.add(h_x, ht_x[:, :-1], alpha=scale)
-        grad_x = (2 / scale2).unsqueeze(-1) * (sums.unsqueeze(-1) * x - hs_x.transpose(1, 2))
-        # Through the scale: d loss / d delta^2 = -sum_ij H_ij ||x_i - x_j||^2 / delta^4, where
-        # sum_ij H_ij ||x_i - x_j||^2 = sum_i (R_i + S_i) |x_i|^2 - 2 sum_i x_i . (H x)_i (with
-        # classes, per class: H is zero across them).
-        spread = (sums * x.square().sum(-1) - 2 * (x_t * h_x).sum(1)).unsqueeze(-1)
-        spread = spread.sum(-2) if classes is None else class_sums(spread, classes).squeeze(-1)
-        grad_x = grad_x + _scale_gradient(x, -spread / scale2.square(), classes)
+        # (The coordinates' scales are differentiated by autograd, outside: see ensemble_solve.)
+        grad_x = (2 / dim) * (sums.unsqueeze(-1) * x - hs_x.transpose(1, 2))
         grad_x = grad_x + sqrt_a * sqrt_b.unsqueeze(-1) * kt_g.transpose(1, 2)  # through x_j in P x
         return grad_x.reshape(shape), grad_log_b.reshape(shape[:-1]), None, None, None
 
@@ -409,7 +369,8 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
     r"""The differentiable ensemble transform under ``settings``, with the solve's diagnostics.
 
     Solves entropic OT from the uniform measure on the particles to the weighted one with the
-    scale-normalised squared-distance cost and moves each particle to its barycentric image
+    squared-distance cost, each coordinate on its own spread (see the module docstring), and
+    moves each particle to its barycentric image
     :math:`\tilde x_i = \sum_j P_{ij} x_j / \sum_j P_{ij}` (the row normalisation keeps every new particle a
     convex combination even before convergence). See ``docs/math/smc.md#optimal-transport-resampling``.
 
@@ -448,17 +409,35 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
     check_unit_mass(log_weights)  # the source is uniform, of mass one
     if classes is not None and classes.shape != log_weights.shape:
         raise ValueError(f"ensemble_solve: classes must be shaped as log_weights {tuple(log_weights.shape)}, got {tuple(classes.shape)}")
+    # Each coordinate on its own scale: the transform of x / scale, scaled back, is that of the
+    # cost sum_d (x_id - x_jd)^2 / (D var_d), the same for any units of any coordinate.
+    scale = _coordinate_scale(x, classes)
+    x = x / scale
     if settings.gradient in ("implicit", "last_step"):
         x_new, matrix, *result = _FusedEnsembleTransform.apply(x, log_weights, settings, plan, classes)
-        return EnsembleResult(x_new, matrix if plan else None, SinkhornResult(*result))
+        return EnsembleResult(x_new * scale, matrix if plan else None, SinkhornResult(*result))
     x_c = _centred(x)
-    cost, scale2 = _normalised_cost(x_c, classes=classes)
-    mean_cost = None if classes is None else separate_classes(cost, x_c, classes, scale2, settings.epsilon)
+    cost = _normalised_cost(x_c)
+    mean_cost = None if classes is None else separate_classes(cost, x_c, classes, x.shape[-1], settings.epsilon)
     log_a = torch.full_like(log_weights, -math.log(n))
     result = unrolled_solve(cost, log_a, log_weights, settings, mean_cost)
     matrix = transport_plan(cost, log_a, log_weights, result.f, result.g, settings.epsilon)
     x_new = (matrix @ x) / matrix.sum(-1, keepdim=True)
-    return EnsembleResult(x_new, matrix if plan else None, result._replace(f=result.f.detach(), g=result.g.detach()))
+    return EnsembleResult(x_new * scale, matrix if plan else None, result._replace(f=result.f.detach(), g=result.g.detach()))
+
+
+def _coordinate_scale(x: Tensor, classes: Tensor | None) -> Tensor:
+    """The standard deviation of every coordinate over the particles of a filter ``(..., 1, D)``
+    (or of each particle's class, ``(..., N, D)``); 1 for a coordinate that does not vary, which
+    has nothing to transport. Differentiated with the rest."""
+    if classes is not None:
+        var = class_moments(x, classes)[1]
+    elif x.shape[-2] > 1:
+        var = x.var(-2, unbiased=False, keepdim=True)
+    else:
+        var = torch.zeros_like(x)
+    # where() before sqrt(): the square root's derivative at a zero variance would be NaN.
+    return torch.where(var > 0, var, torch.ones_like(var)).sqrt()
 
 
 def ensemble_transform(

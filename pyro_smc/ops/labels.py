@@ -158,7 +158,7 @@ def class_moments(x: Tensor, classes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return centred, class_sums(centred.square(), classes) / counts, counts.squeeze(-1)
 
 
-def separate_classes(cost: Tensor, x: Tensor, classes: Tensor, scale2: Tensor, epsilon: float) -> float:
+def separate_classes(cost: Tensor, x: Tensor, classes: Tensor, scale2: Tensor | float, epsilon: float) -> float:
     r"""Sets, in place, the cost of every pair of different classes to a value whose kernel is
     exactly zero, and returns the mean cost over the pairs within classes.
 
@@ -181,7 +181,7 @@ def separate_classes(cost: Tensor, x: Tensor, classes: Tensor, scale2: Tensor, e
         cost: cost matrices ``(..., N, N)`` of ``x`` with itself, scaled by ``1 / scale2``.
         x: particles ``(..., N, D)``.
         classes: int64 class ids ``(..., N)``.
-        scale2: each particle's class scale ``(..., N)``, the cost's divisor.
+        scale2: the cost's divisor: a number, or each particle's class scale ``(..., N)``.
         epsilon: the final regularisation.
 
     Returns:

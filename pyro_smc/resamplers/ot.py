@@ -36,10 +36,11 @@ class OTResampler(Resampler):
     r"""Differentiable ensemble transform by entropy-regularised optimal transport.
 
     All floating-point state tensors are flattened per particle and concatenated into one point
-    cloud, transported jointly with the scale normalisation of Corenflos et al. (2021) by the
-    barycentric map :math:`\tilde x_i = \sum_j P_{ij} x_j / \sum_j P_{ij}` of the entropic plan ``P``, and
-    split back (differentiably). Weighted means are preserved (up to the plan's marginal
-    error); the output is equally weighted.
+    cloud, transported jointly by the barycentric map :math:`\tilde x_i = \sum_j P_{ij} x_j / \sum_j P_{ij}` of the entropic plan ``P``, and
+    split back (differentiably). The cost measures each coordinate on its own spread over the
+    particles, :math:`C_{ij} = \frac1D \sum_d (x_{id} - x_{jd})^2 / \operatorname{var}_d`, so the transport does not
+    depend on the units of any coordinate. Weighted means are preserved (up to the plan's
+    marginal error); the output is equally weighted.
 
     Integer (and other non-floating) state tensors, e.g. a discrete regime label, cannot be
     averaged, and a continuous state may only be averaged over particles that share its label:
@@ -49,8 +50,8 @@ class OTResampler(Resampler):
 
     1. the particles are grouped by the joint value of all their non-floating tensors (the
        classes :math:`k`, with masses :math:`W_k` and sizes :math:`n_k`);
-    2. each class is transported within itself, on its own cost scale, from the uniform
-       measure on its particles to its weights renormalised within it: one block-diagonal entropic plan for all classes
+    2. each class is transported within itself, each coordinate on the class's own spread,
+       from the uniform measure on its particles to its weights renormalised within it: one block-diagonal entropic plan for all classes
        (a class of zero weight is transported with uniform weights), so every new particle is
        an average over particles of its own label and keeps that label;
     3. the new particles, equally weighted within a class, carry weight :math:`W_k / n_k` each,
@@ -159,19 +160,16 @@ class OTResampler(Resampler):
             return Resampled(gather(particles, index), torch.full_like(log_weights, -math.log(n)), index)
         uniform = torch.full_like(log_weights, -math.log(n))
         others = {k: v for k, v in particles.items() if k not in floats}
-        if not others:
+        labels = [v.reshape(log_weights.shape + (-1,)).long() for v in others.values()]
+        classes = label_classes(torch.cat(labels, -1)) if labels else None
+        if classes is None or bool((classes == 0).all()):  # one label everywhere: one transport
             x_new, _, solve = ensemble_solve(x, log_weights, self.settings, plan=False)
-            return Resampled(unflatten_floats(x_new, floats), uniform, diagnostics=solve)
-        classes = label_classes(torch.cat([v.reshape(log_weights.shape + (-1,)).long() for v in others.values()], -1))
+            return Resampled({**unflatten_floats(x_new, floats), **others}, uniform, diagnostics=solve)
         within, log_share = class_weights(log_weights, classes)
         x_new, _, solve = ensemble_solve(x, within, self.settings, plan=False, classes=classes)
-        out = unflatten_floats(x_new, floats)
-        out.update(others)
-        if not bool((classes == 0).all()):  # one label everywhere: every share is 1/N already
-            # Systematic resampling with each class's particles side by side: a class is one
-            # stretch of the cumulative weights, so it gets floor or ceil of N W_k offspring.
-            order = classes.argsort(dim=-1, stable=True)
-            index = order.gather(-1, schemes.systematic(log_share.detach().gather(-1, order)))
-            out = gather(out, index)
-            uniform = schemes.stop_gradient_log_weights(log_share, index)
-        return Resampled(out, uniform, diagnostics=solve)
+        # Systematic resampling with each class's particles side by side: a class is one stretch
+        # of the cumulative weights, so it gets floor or ceil of N W_k offspring.
+        order = classes.argsort(dim=-1, stable=True)
+        index = order.gather(-1, schemes.systematic(log_share.detach().gather(-1, order)))
+        new = gather({**unflatten_floats(x_new, floats), **others}, index)
+        return Resampled(new, schemes.stop_gradient_log_weights(log_share, index), diagnostics=solve)

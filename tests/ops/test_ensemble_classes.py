@@ -33,15 +33,17 @@ def _labelled_cloud(batch, n, num_classes=3, seed=0, dtype=torch.float64, apart=
 
 
 def _one_class_at_a_time(x, log_w, classes, eps):
-    """Each class alone: uniform source on its particles, its renormalised weights, its scale."""
+    """Each class alone: uniform source on its particles, its renormalised weights, each
+    coordinate on the class's own scale."""
     out = torch.empty_like(x)
     for b in range(x.shape[0]):
         for k in classes[b].unique():
             idx = (classes[b] == k).nonzero().squeeze(-1)
             xs = x[b, idx].double()
-            xs_c = xs - xs.mean(0)
-            scale2 = xs.shape[-1] * float(xs_c.var(0, unbiased=False).max())
-            cost = squared_distances(xs_c, xs_c) / (scale2 if scale2 > 0 else 1.0)
+            # Each coordinate on its own scale: sum_d (x_id - x_jd)^2 / (D var_d).
+            var = xs.var(0, unbiased=False)
+            ys = (xs - xs.mean(0)) / torch.where(var > 0, var, torch.ones_like(var)).sqrt()
+            cost = squared_distances(ys, ys) / (xs.shape[-1] if bool((var > 0).any()) else 1.0)
             log_a = torch.full((len(idx),), -math.log(len(idx)), dtype=torch.float64)
             log_b = log_w[b, idx].double().log_softmax(-1)
             if not torch.isfinite(log_b).any():  # a class of zero weight is transported as uniform
@@ -140,7 +142,8 @@ def test_a_single_class_is_the_plain_transform():
     settings = SinkhornSettings(0.5, threshold=1e-10, max_iter=2000)
     plain = ensemble_solve(x, log_w, settings).x_new
     one = ensemble_solve(x, log_w, settings, classes=torch.zeros(2, 20, dtype=torch.long)).x_new
-    assert torch.allclose(one, plain, atol=1e-12, rtol=0)
+    # (the same fixed point; the solves may stop at different iterates within the threshold)
+    assert torch.allclose(one, plain, atol=1e-8, rtol=0)
 
 
 def test_classes_must_be_shaped_as_the_weights():

@@ -119,3 +119,28 @@ def test_ot_resampler_small_epsilon_preserves_the_weighted_mean(dtype, epsilon):
 def test_ot_resampler_rejects_invalid_log_weights(bad):
     with pytest.raises(ValueError, match="log_weights must sum to one"):
         OTResampler(0.5)({"x": torch.randn(2, 6, 1)}, torch.full((2, 6), bad))
+
+
+@pytest.mark.parametrize("gradient", GRADIENTS)
+@pytest.mark.parametrize("with_label", [False, True], ids=["one_transport", "label_wise"])
+def test_the_transport_does_not_depend_on_the_units_of_a_coordinate(gradient, with_label):
+    """Rescaling one coordinate (metres to millimetres) rescales the new particles the same way
+    and leaves the gradients consistent: each coordinate is measured on its own spread. With one
+    scale for all (the widest coordinate's), a coordinate 1000x narrower than another was
+    transported as if it were constant."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 40, 3, generator=g, dtype=torch.float64).requires_grad_()
+    log_w = (1.5 * torch.randn(4, 40, generator=g, dtype=torch.float64)).log_softmax(-1).requires_grad_()
+    units = torch.tensor([1.0, 1e3, 1e-2], dtype=torch.float64)
+    label = {"z": torch.randint(2, (4, 40), generator=g)} if with_label else {}
+    probe = torch.randn(4, 40, 3, generator=g, dtype=torch.float64)
+    outs = []
+    for scale in (torch.ones(3, dtype=torch.float64), units):
+        resampler = OTResampler(0.3, threshold=1e-10, max_iter=5000, gradient=gradient)
+        torch.manual_seed(0)  # the same offspring draw with a label
+        new, new_log_w = resampler({"x": x * scale, **label}, log_w)
+        value = new["x"] / scale
+        gx, gw = torch.autograd.grad((value * probe).sum() + new_log_w.sum(), (x, log_w))
+        outs.append((value, gx, gw))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-7, atol=1e-9)
