@@ -393,7 +393,8 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
         cheaper, but only approximate); ``"unroll"`` differentiates the plan too.
 
     Raises:
-        ValueError: if the weights do not sum to one, or ``classes`` is not shaped as them.
+        ValueError: if the weights do not sum to one, ``x`` and ``log_weights`` differ in dtype,
+            or ``classes`` is not shaped as the weights.
 
     Example:
         >>> from pyro_smc.ops.sinkhorn import SinkhornSettings
@@ -407,6 +408,8 @@ def ensemble_solve(x: Tensor, log_weights: Tensor, settings: SinkhornSettings, p
     """
     n = x.shape[-2]
     check_unit_mass(log_weights)  # the source is uniform, of mass one
+    if x.dtype != log_weights.dtype:
+        raise ValueError(f"ensemble_solve: x ({x.dtype}) and log_weights ({log_weights.dtype}) must have one dtype")
     if classes is not None and classes.shape != log_weights.shape:
         raise ValueError(f"ensemble_solve: classes must be shaped as log_weights {tuple(log_weights.shape)}, got {tuple(classes.shape)}")
     # Each coordinate on its own scale: the transform of x / scale, scaled back, is that of the

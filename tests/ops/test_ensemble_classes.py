@@ -150,3 +150,10 @@ def test_classes_must_be_shaped_as_the_weights():
     x, z, log_w = _labelled_cloud(2, 10)
     with pytest.raises(ValueError, match="classes"):
         ensemble_solve(x, log_w, SinkhornSettings(), classes=z[:1])
+
+
+def test_particles_and_weights_of_two_dtypes_are_refused_by_name():
+    # (a float64 cloud with float32 weights failed deep in a bmm: "expected scalar type Float")
+    x, _, log_w = _labelled_cloud(2, 10)
+    with pytest.raises(ValueError, match="x .*log_weights"):
+        ensemble_solve(x, log_w.float(), SinkhornSettings())
