@@ -387,7 +387,7 @@ def solve_with_plan(
     ``kernel_out``, a buffer with the cost's number of elements, receives the working kernel
     instead of a fresh tensor (outside autograd only); the factored plan's kernel may then be
     that buffer, which the caller must not hand on. ``mean_cost`` replaces the cost's mean in
-    the annealing schedule (:func:`epsilon_schedule`).
+    the annealing schedule (``epsilon_schedule``).
 
     Example:
         >>> import math, torch

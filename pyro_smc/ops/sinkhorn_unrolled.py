@@ -95,7 +95,7 @@ def unrolled_solve(cost: Tensor, log_a: Tensor, log_b: Tensor, settings: Sinkhor
     :math:`b_j \exp((g_j - g(f)_j) / \epsilon)`, and ``g(f)`` is the next iteration's update anyway.
 
     ``mean_cost`` replaces the cost's mean in the annealing schedule
-    (:func:`~pyro_smc.ops.sinkhorn_solver.epsilon_schedule`).
+    (``pyro_smc.ops.sinkhorn_solver.epsilon_schedule``).
 
     Returns:
         The :class:`SinkhornResult` over the broadcast batch shape; every problem runs the same
