@@ -23,7 +23,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a slow case, run only under PYRO_SMC_FULL=1 (the full run)")
 
 
+# The longest tests of the default run, longest first (tens of seconds each). pytest-xdist hands
+# tests to its workers in collection order, and these are collected last (tests/test_docs*.py):
+# left there, one worker ran a notebook or the documentation build while the other sat idle.
+# Collected first, they are spread over the workers at the start and the short tests fill in.
+LONG_FIRST = (
+    "tests/test_docs_build.py::test_docs_build",
+    "tests/test_docs.py::test_tutorial_smoke",
+    "tests/test_docs.py::test_readme_example_learns",
+    "tests/test_docs.py::test_first_fit_example_learns_the_mle",
+    "tests/models/test_neural_ssm.py::test_svi_learns_the_noise_scales_and_a_proposal",
+    "tests/infer/test_model_state.py::test_killed_stream_resumes_bit_identically",
+    "tests/test_distributed.py",
+    "tests/test_packaging.py",
+)
+
+
+def _long_first_rank(item) -> int:
+    return next((rank for rank, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_long_first_rank)  # stable: the rest keep their order
     if FULL:
         return
     skip = pytest.mark.skip(reason="slow: PYRO_SMC_FULL=1 runs it")

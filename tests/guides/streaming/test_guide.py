@@ -64,8 +64,12 @@ def test_svi_recovers_the_rts_smoother():
     _, ys = ssm.simulate(4, generator=torch.Generator().manual_seed(2))
     model = _trajectory_model(ssm)
     guide = StreamingFilterGuide(2, model, covariance="full", init_scale=0.5).double()
-    svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.03, "lrd": 0.996}), Trace_ELBO(num_particles=4))
-    for _ in range(600):
+    # 16 samples per step, drawn in one vectorised pass: as close after 250 steps as 4 samples
+    # after 600 (largest |mean - RTS| / sd over seeds 0-3: 0.107 against 0.086; largest
+    # |log variance ratio|: 0.113 against 0.117) at a seventh of the time.
+    elbo = Trace_ELBO(num_particles=16, vectorize_particles=True, max_plate_nesting=0)
+    svi = SVI(model, guide, pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.99}), elbo)
+    for _ in range(250):
         svi.step(ys)
     assert guide.num_steps == 4  # discovered by tracing the model
     means, covs = guide.marginals()

@@ -112,7 +112,7 @@ def test_first_sweep_equals_the_standalone_smoother(projection, model):
 
 
 @pytest.mark.parametrize("model", [_growth_model, _pendulum])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])  # more data, the full run
 def test_ep_stays_finite_and_proper(model, seed):
     ssm = model()
     _, ys = ssm.simulate(50, generator=torch.Generator().manual_seed(seed))
@@ -124,10 +124,11 @@ def test_ep_stays_finite_and_proper(model, seed):
 
 def test_ep_iterations_improve_on_one_sweep_for_the_growth_model():
     # The paper's claim on a model where the first sweep's linearisation points are poor:
-    # averaged over seeds, EP's RMSE beats the URTSS (first sweep) it starts from.
+    # averaged over seeds, EP's RMSE beats the URTSS (first sweep) it starts from. Two seeds: on
+    # each of data seeds 0-11 EP's RMSE was the lower one, by 6% to 57% (measured).
     first, final = [], []
     ssm = _growth_model()
-    for seed in range(4):
+    for seed in range(2):
         xs, ys = ssm.simulate(60, generator=torch.Generator().manual_seed(seed))
         out = EPSmoother(ssm, projection="unscented", max_iter=10, power=0.9, damping=0.9).smooth(ys)
         first.append((out.first_sweep.means - xs).square().mean().sqrt())
@@ -228,7 +229,7 @@ def test_gp_model_first_sweep_equals_gp_smoothers(projection):
     assert torch.allclose(ep.first_sweep.covariances, plain.covariances, rtol=1e-9, atol=EXACT_ATOL)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])  # more data, the full run
 def test_ep_gpads_stays_finite_and_proper(seed):
     ssm, xs, ys = _gp_system(seed)
     with torch.no_grad():
@@ -288,7 +289,7 @@ def test_kalman_rts_and_ep_smoother_at_T_1e4():
 # --- the EP evidence (docs/math/ep.md#the-ep-evidence) ---------------------------------------------
 
 
-def _linear_evidence_problem(e, seed=4, T=30):
+def _linear_evidence_problem(e, seed=4, T=15):
     g = torch.Generator().manual_seed(seed)
     A = 0.3 * torch.randn(2, 2, generator=g, dtype=torch.float64) + 0.5 * torch.eye(2, dtype=torch.float64)
     C = torch.randn(e, 2, generator=g, dtype=torch.float64)
@@ -371,11 +372,13 @@ def test_with_linear_measurements_ep_is_the_first_sweep(projection, smoother, sc
     """docs/engines/ep.md, "When EP cannot improve on the first sweep": with linear measurements and
     power 1, EP stops after two sweeps at the Gaussian smoother of its projection (URTSS, EKS), with
     the Gaussian filter's evidence. Lorenz-96 (d = 8, RK4, dt = 0.05) observed at every other
-    coordinate; on d = 40 with T = 200 the second sweep moved the means by 5e-14 to 1e-13."""
+    coordinate; on d = 40 with T = 200 the second sweep moved the means by 5e-14 to 1e-13. Here
+    T = 20: on data seeds 0-2 the first sweep was matched to 5e-14 and the counter-examples moved
+    by 0.05 or more, as at T = 40 (measured)."""
     from tests.models.test_nonlinear_gaussian import _l96_ssm, _lorenz96
 
     ssm = _l96_ssm(_lorenz96)  # y = x[::2] + v: linear
-    _, ys = ssm.simulate(40, generator=torch.Generator().manual_seed(2))
+    _, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(2))
     ys[7] = float("nan")
     out = EPSmoother(ssm, projection=projection, schedule=schedule, damping=damping, max_iter=20).smooth(ys)
     first = smoother(ssm, ys)
@@ -384,7 +387,7 @@ def test_with_linear_measurements_ep_is_the_first_sweep(projection, smoother, sc
     # What the claim needs: a nonlinear measurement, or power < 1, and EP moves off the first sweep.
     nonlinear = NonlinearGaussianSSM(_lorenz96, ssm.transition_cov, lambda x: x[..., ::2] ** 2 / 20, ssm.observation_cov, ssm.init_mean, ssm.init_cov)
     for other, kwargs in ((nonlinear, {}), (ssm, {"power": 0.9, "schedule": "sequential"})):
-        _, data = other.simulate(40, generator=torch.Generator().manual_seed(2))
+        _, data = other.simulate(20, generator=torch.Generator().manual_seed(2))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EPConvergenceWarning)  # three sweeps, not meant to converge
             run = EPSmoother(other, projection=projection, **{"schedule": schedule, **kwargs}, max_iter=3).smooth(data)

@@ -70,7 +70,7 @@ def _linear(A, L, C, r, m0):
 def test_linear_gaussian_evidence_and_gradient_equal_kalman(gradient, max_iter, power, damping, seed):
     params = _linear_parameters(seed)
     with torch.no_grad():
-        _, ys = _linear(*params).simulate(25, generator=torch.Generator().manual_seed(seed + 10))
+        _, ys = _linear(*params).simulate(12, generator=torch.Generator().manual_seed(seed + 10))
     ys[4] = float("nan")  # a step without data
     ys[9, 0] = float("nan")  # a partly observed step
     out = EPSmoother(_linear(*params), projection="unscented", max_iter=max_iter, power=power, damping=damping, tol=1e-12, gradient=gradient).smooth(ys)
@@ -87,7 +87,7 @@ def test_linear_gaussian_marginals_gradient_equals_rts():
     # Not only the evidence: the smoothed means and covariances carry the implicit gradient.
     params = _linear_parameters(2)
     with torch.no_grad():
-        _, ys = _linear(*params).simulate(20, generator=torch.Generator().manual_seed(3))
+        _, ys = _linear(*params).simulate(10, generator=torch.Generator().manual_seed(3))
     out = EPSmoother(_linear(*params), max_iter=50, damping=0.5, tol=1e-12).smooth(ys)
     rts = _linear(*params).rts_smoother(ys)
     w = torch.linspace(-1, 1, out.means.numel()).reshape(out.means.shape)
@@ -148,13 +148,16 @@ def _pendulum_model():
     return ssm
 
 
-# Checked on seeds 0-3; the default run takes one seed per case.
+# Checked on seeds 0-3 (T = 10 and 12: implicit and unrolled agreed to 1.1e-10 relative at worst);
+# the default run takes one seed per case. The pendulum under linearisation runs in the full run
+# only: the 2-d linearisation's gradient is checked by test_projections_linearisation_grad.py, and
+# the implicit gradient is the same code for every projection (the scalar cases cover both).
 CASES = [
     (_scalar_model, "unscented", 1.0, 1.0, 0),
     (_scalar_model, "unscented", 1.0, 0.7, 1),
     (_scalar_model, "linearization", 0.6, 1.0, 2),
     (_pendulum_model, "unscented", 1.0, 1.0, 0),
-    (_pendulum_model, "linearization", 1.0, 1.0, 1),
+    pytest.param(_pendulum_model, "linearization", 1.0, 1.0, 1, marks=pytest.mark.slow),
 ]
 
 
@@ -166,9 +169,10 @@ def _loss(out):
 
 @pytest.mark.parametrize("model, projection, power, damping, seed", CASES)
 def test_implicit_gradient_equals_unrolled_and_finite_differences(model, projection, power, damping, seed):
+    # T = 10: about as many sweeps to converge as at T = 25 (7 to 25 on seeds 0-3), at a third of the cost.
     ssm = model()
     with torch.no_grad():
-        _, ys = ssm.simulate(25, generator=torch.Generator().manual_seed(seed))
+        _, ys = ssm.simulate(10, generator=torch.Generator().manual_seed(seed))
     params = list(ssm.parameters())
 
     def run(gradient, tol=1e-12):
@@ -182,25 +186,29 @@ def test_implicit_gradient_equals_unrolled_and_finite_differences(model, project
     g_unrolled = torch.autograd.grad(_loss(unrolled), params)
     for a, b in zip(g_implicit, g_unrolled):
         assert torch.allclose(a, b, rtol=1e-7, atol=1e-8), (a, b)
-    _directional_checks(lambda: _loss(run("implicit", tol=1e-13)), params, g_implicit, seed)
+    # Against finite differences too, for a gradient path cut off in both modes: one random
+    # direction over all parameters (a missing term g_i v_i is almost surely not zero) will do.
+    _directional_checks(lambda: _loss(run("implicit", tol=1e-13)), params, g_implicit, seed, num_directions=1)
 
 
 def test_implicit_gradient_memory_does_not_grow_with_the_sweeps():
     """The graph of the implicit gradient is two sweeps, however many EP needs; the unrolled
-    one grows linearly. Measured as the bytes autograd saves for backward."""
+    one grows linearly. Measured as the bytes autograd saves for backward. On data seeds 0-3
+    (T = 10) damping 0.5 takes 33-34 sweeps to the undamped 6-9, and the unrolled graph is about
+    twice the linear bound below and 11 times the implicit one."""
     ssm = _scalar_model()
     with torch.no_grad():
-        _, ys = ssm.simulate(20, generator=torch.Generator().manual_seed(0))
+        _, ys = ssm.simulate(10, generator=torch.Generator().manual_seed(0))
     measured = {}
-    for damping in (1.0, 0.3):
+    for damping in (1.0, 0.5):
         for gradient in ("implicit", "unroll"):
             smoother = EPSmoother(ssm, projection="unscented", max_iter=500, damping=damping, tol=1e-10, gradient=gradient)
             out, saved = _saved_bytes(lambda s=smoother: s.smooth(ys))
             measured[gradient, damping] = (len(out.history), saved)
-    (few, implicit_few), (many, implicit_many) = measured["implicit", 1.0], measured["implicit", 0.3]
+    (few, implicit_few), (many, implicit_many) = measured["implicit", 1.0], measured["implicit", 0.5]
     assert many >= 3 * few  # heavy damping: many more sweeps
     assert implicit_many == implicit_few
-    unrolled_few, unrolled_many = measured["unroll", 1.0][1], measured["unroll", 0.3][1]
+    unrolled_few, unrolled_many = measured["unroll", 1.0][1], measured["unroll", 0.5][1]
     assert unrolled_many > 0.5 * (many / few) * unrolled_few  # linear in the sweeps
     assert implicit_many < unrolled_many / 5
 
@@ -208,7 +216,7 @@ def test_implicit_gradient_memory_does_not_grow_with_the_sweeps():
 def test_values_do_not_depend_on_the_gradient_mode_or_grad_mode():
     ssm = _pendulum_model()
     with torch.no_grad():
-        _, ys = ssm.simulate(30, generator=torch.Generator().manual_seed(4))
+        _, ys = ssm.simulate(15, generator=torch.Generator().manual_seed(4))
     smoother = EPSmoother(ssm, projection="unscented", max_iter=100, tol=1e-10)
     with_grad = smoother.smooth(ys)
     with torch.no_grad():
@@ -243,6 +251,8 @@ def test_a_non_converged_run_is_never_differentiated_implicitly():
 
 
 def test_float32_gradient_agrees_with_float64():
+    # On data seeds 0-3 the float32 gradients were off by at most 2.5% of the tolerance, at T = 15
+    # as at T = 30 (measured): the tolerance is float32's, not the series length's.
     grads = {}
     for dtype in (torch.float64, torch.float32):
         torch.set_default_dtype(dtype)
@@ -251,7 +261,7 @@ def test_float32_gradient_agrees_with_float64():
         pyro.clear_param_store()
         ssm = _pendulum_model()
         with torch.no_grad():
-            _, ys = ssm.simulate(30, generator=torch.Generator().manual_seed(1))
+            _, ys = ssm.simulate(15, generator=torch.Generator().manual_seed(1))
         if dtype == torch.float32:
             ys = grads["ys"].float()
         grads["ys"] = ys
@@ -278,11 +288,11 @@ def _gp_model(seed):
     return NonlinearGaussianSSM(gp, 0.1 * one, lambda x: x, 0.2 * one, torch.zeros(1), one)
 
 
-@pytest.mark.parametrize("seed", [0])  # checked on seeds 0-3
+@pytest.mark.parametrize("seed", [0])  # checked on seeds 0-3 (T = 8: 12-14 sweeps; each parameter's largest gradient > 0.02)
 def test_gp_hyperparameter_and_data_gradients_against_finite_differences(seed):
     ssm = _gp_model(seed)
     with torch.no_grad():
-        _, ys = ssm.simulate(15, generator=torch.Generator().manual_seed(seed + 5))
+        _, ys = ssm.simulate(8, generator=torch.Generator().manual_seed(seed + 5))
     params = list(ssm.parameters())
     names = [n for n, _ in ssm.named_parameters()]
     assert {"transition.lengthscale_unconstrained", "transition.variance_unconstrained", "transition.noise_unconstrained", "transition.Y"} <= set(names)
@@ -295,8 +305,9 @@ def test_gp_hyperparameter_and_data_gradients_against_finite_differences(seed):
     grads = torch.autograd.grad(_loss(out), params)
     for name, a in zip(names, grads):
         assert a.abs().max() > 1e-6, name  # the old detached GP gave exactly zero here
-    _directional_checks(lambda: _loss(run(1e-13)), params, grads, seed, num_directions=3)
-    # and each hyperparameter alone (one direction each)
+    # One random direction over all of them (the training targets Y above all: a wrong entry
+    # shows almost surely), and each hyperparameter alone, one direction each.
+    _directional_checks(lambda: _loss(run(1e-13)), params, grads, seed, num_directions=1)
     for i, name in enumerate(names):
         if name != "transition.Y":
             _directional_checks(lambda: _loss(run(1e-13)), [params[i]], [grads[i]], seed + i, num_directions=1)

@@ -48,10 +48,11 @@ def test_linear_gaussian_parallel_ep_is_the_kalman_smoother_evidence_and_score(s
     [(_scalar_model, "unscented", 1.0, 0), (_scalar_model, "linearization", 0.7, 1), (_pendulum_model, "unscented", 1.0, 0)],
 )
 def test_parallel_fixed_point_and_gradient_equal_the_sequential_ones(model, projection, damping, seed):
-    """Checked on seeds 0-3. Both schedules stop within ``tol`` of the same fixed point, so the
-    values agree to about ``tol`` and the implicit gradients to the adjoint's tolerance."""
+    """Checked on seeds 0-3 (T = 10 and 12: values within 2e-12, gradients within 2e-10 relative).
+    Both schedules stop within ``tol`` of the same fixed point, so the values agree to about
+    ``tol`` and the implicit gradients to the adjoint's tolerance."""
     ssm = model()
-    ys = _data(ssm, 25, seed)
+    ys = _data(ssm, 10, seed)
     ys[7] = float("nan")
     params = list(ssm.parameters())
 
@@ -72,8 +73,8 @@ def test_parallel_fixed_point_and_gradient_equal_the_sequential_ones(model, proj
     for a, b, c in zip(g_par, g_seq, g_unrolled):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a, b)
         assert torch.allclose(a, c, rtol=1e-6, atol=1e-7), (a, c)
-    if model is _pendulum_model:  # the others' sequential gradients are checked so in test_ep_smoother_gradients
-        _directional_checks(lambda: _loss(run("parallel", tol=1e-13)), params, g_par, seed)
+    if model is _pendulum_model:  # the others' sequential gradients are checked so in test_ep_gradients.py
+        _directional_checks(lambda: _loss(run("parallel", tol=1e-13)), params, g_par, seed, num_directions=1)
 
 
 def test_gp_dynamics_parallel_equals_sequential_and_finite_differences():
@@ -128,8 +129,10 @@ def test_damping_adapts_where_undamped_parallel_updates_would_oscillate():
 
 
 def test_warm_start_resumes_at_the_fixed_point_and_moves_with_the_parameters():
+    # T = 10 takes the sweeps T = 25 took on this data (moved: 13 warm to 17 cold in parallel, 8 to
+    # 10 in sequence; measured). Not every data set shows the saving: data seed 1 does not, in sequence.
     ssm = _scalar_model()
-    ys = _data(ssm, 25, 0)
+    ys = _data(ssm, 10, 0)
     for schedule in ("parallel", "sequential"):
         smoother = EPSmoother(ssm, projection="unscented", max_iter=300, tol=1e-11, schedule=schedule)
         cold = smoother.smooth(ys)
@@ -152,14 +155,15 @@ def test_warm_start_resumes_at_the_fixed_point_and_moves_with_the_parameters():
 
 
 def test_fit_evidence_warm_and_cold_follow_the_same_path():
+    # Three steps, two of them warm-started: on data seeds 0-3 the paths agreed to 2e-14 (measured).
     paths = {}
     for warm in (True, False):
         pyro.clear_param_store()  # each fit its own parameters (PyroModules share the store by name)
         ssm = _scalar_model()
-        ys = _data(ssm, 25, 0)
+        ys = _data(ssm, 10, 0)
         with torch.no_grad():
             ssm.transition.b.fill_(0.2)
-        fit_evidence(EPSmoother(ssm, projection="unscented", max_iter=200, tol=1e-10, schedule="parallel"), ys, num_steps=5, lr=0.1, warm_start=warm)
+        fit_evidence(EPSmoother(ssm, projection="unscented", max_iter=200, tol=1e-10, schedule="parallel"), ys, num_steps=3, lr=0.1, warm_start=warm)
         paths[warm] = torch.cat([p.detach().reshape(-1) for p in ssm.parameters()])
     assert torch.allclose(paths[True], paths[False], atol=1e-6), paths
 
@@ -214,10 +218,12 @@ def test_float32_parallel_agrees_with_float64():
 
 
 def test_gmres_differentiates_a_parallel_fixed_point_where_the_plain_adjoint_diverges(monkeypatch):
-    """On x' = a sin(x) + w, y = 4 sin(x) + v (chaotic; a = 3.843, Q = 0.0323, R = 0.0235, 50
+    """On x' = a sin(x) + w, y = 4 sin(x) + v (chaotic; a = 3.843, Q = 0.0323, R = 0.0235, 20
     steps), the parallel iteration converges only through its adaptive damping, and the plain
     adjoint iteration at the damping it ended with diverges (measured). The adjoint is then solved
-    by GMRES, and the gradient is the sequential schedule's."""
+    by GMRES, and the gradient is the sequential schedule's. The first 20 steps of the 50 this was
+    found on behave as all 50 (measured at T = 15, 20 and 50: 81 parallel iterations, and a spectral
+    radius of 1.16 for the plain adjoint iteration; at T = 10 that iteration converges)."""
     import pyro_smc.ops.fixed_point as fixed_point
 
     used = []
@@ -234,7 +240,7 @@ def test_gmres_differentiates_a_parallel_fixed_point_where_the_plain_adjoint_div
 
     one = torch.eye(1)
     truth = NonlinearGaussianSSM(lambda x: 4 * torch.sin(x), 0.01 * one, lambda x: 4 * torch.sin(x), 0.01 * one, torch.zeros(1), one)
-    ys = _data(truth, 50, 0)
+    ys = _data(truth, 20, 0)
     grads = {}
     for schedule in ("parallel", "sequential"):
         pyro.clear_param_store()

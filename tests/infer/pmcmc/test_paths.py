@@ -302,7 +302,9 @@ def sigma_posterior(ys, rho=0.7, size=4000):
 def test_the_noncentred_update_alone_targets_the_parameters_given_the_noise(seed):
     """The non-centred block alone, the noise held: the chain on sigma targets
     ``p(sigma | eps, y)`` proportional to ``p(sigma) p(y | x(sigma, eps))``, on a grid. A wrong
-    sign or a missing Jacobian term moves it to another law."""
+    sign or a missing Jacobian term moves it to another law: leaving out the log-scale moved the
+    mean by 14-39 standard errors on seeds 0-2. 500 moves give 77-111 effective samples (seeds
+    0-5; 150 of 800 before), so ``min_ess=60``."""
     ys = simulate(6, seed=seed)
     pyro.set_rng_seed(seed)
     kernel = ParticleGibbs(AR1(rho=0.7, sigma=None), num_particles=4, noncentred_steps=1, noncentred_proposal=AdaptiveRandomWalk(1, scale=1.0, adapt=False))
@@ -311,7 +313,7 @@ def test_the_noncentred_update_alone_targets_the_parameters_given_the_noise(seed
     with kernel._fixed(z):
         held = kernel.replay.noise(kernel.trajectory, ys)
     eps = torch.stack([held.noise[0]["x0"]] + [n["x"] for n in held.noise[1:]])
-    for _ in range(800):
+    for _ in range(500):
         z = kernel._noncentred_moves(z)
         draws.append(kernel.transforms["sigma"].inv(z["sigma"]))
     # the noise never changes: only sigma and the path it makes
@@ -326,13 +328,16 @@ def test_the_noncentred_update_alone_targets_the_parameters_given_the_noise(seed
         x.append(rho * x[-1] + sigma[:, 0] * e)
     x = torch.stack(x[1:], 1)  # (grid, T): the states that meet y
     log_density = dist.Normal(x, 0.5).log_prob(ys).sum(-1) - 0.5 * log_sigma**2
-    assert_matches(torch.stack(draws), *grid_moments(log_density, {"sigma": log_sigma.exp()})["sigma"], min_ess=100)
+    assert_matches(torch.stack(draws), *grid_moments(log_density, {"sigma": log_sigma.exp()})["sigma"], min_ess=60)
     assert 0.1 < kernel.diagnostics().get("non-centred acceptance rate", 0.5) < 0.9
 
 
 @pytest.mark.parametrize("seed", [0] + [pytest.param(seed, marks=pytest.mark.slow) for seed in (1, 2)])
 def test_particle_gibbs_with_noncentred_steps_samples_the_exact_posterior_of_the_noise_scale(seed):
-    ys = simulate(10, seed=seed)
+    """The whole kernel (sweep, centred and non-centred moves) against the grid posterior of
+    sigma. Six observations, as above (ten took 1.6 times as long): 57-110 effective samples on
+    seeds 0-4, and the non-centred move without its log-scale is off by 19-26 standard errors."""
+    ys = simulate(6, seed=seed)
     pyro.set_rng_seed(seed)
     kernel = ParticleGibbs(AR1(rho=0.7, sigma=None), num_particles=5, noncentred_steps=1)
     mcmc = MCMC(kernel, num_samples=500, warmup_steps=100, disable_progbar=True)

@@ -19,7 +19,12 @@ from pyro_smc.resamplers import OTResampler
 from tests.infer.sharp_ar1 import SharpAR1, per_run_gradients, simulate
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+# float32 by default, float64 (2.5 times as slow: the batched 64 x 64 products dominate) with the
+# full run. float32 is where the weights underflow (27000 log-weights below -100 on seed 0) and
+# the zero-mass branches of the solver and its adjoint run; float64 keeps its lowest log-weight at
+# -374, far above its underflow at -745, and ran no line of pyro_smc that float32 did not (traced
+# on seed 0). Its gradients on this model are checked in the default run by the two tests below.
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float64, marks=pytest.mark.slow)], ids=["float32", "float64"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_hundreds_of_sharp_likelihood_gradients_are_finite_without_outliers(dtype, seed):
     """256 per-run gradients over T = 100 steps: all finite, none far outside the others' spread.
