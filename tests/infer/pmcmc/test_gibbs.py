@@ -3,7 +3,6 @@ grid), the MCMC interface (samples, transforms, diagnostics) and the argument ch
 
 import math
 
-import arviz as az
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -102,7 +101,9 @@ def test_samples_hold_constrained_parameters_and_the_trajectory():
     assert 0 <= diagnostics["path update rate"]["chain 0"] <= 1
     assert kernel.path_update_rate.shape == (6,)
     assert set(kernel.logging()) == {"step size", "acc. prob", "path upd."}
-    posterior = az.from_pyro(mcmc).posterior
+    import arviz  # here, not at the top: its import is seconds of every worker's collection
+
+    posterior = arviz.from_pyro(mcmc).posterior
     assert posterior["Q"].shape == (1, 15, 1, 1) and posterior["x"].shape == (1, 15, 6, 1)
 
 
