@@ -272,6 +272,14 @@ class OnlineVariationalFilter:
         missing = observation_missing(y, self.t, self._obs_shape)
         context = StepContext(self.model, dict(vars(self.model)), self._state, self._previous, y, missing, self.t, args, kwargs, state_key=self._state_key)
         context, prior = context.discover(self.num_regression_samples, self.guide.state_dim)
+        if prior.x_prior.dtype != self.guide.loc.dtype:
+            # Else the first product of a draw of the guide with a model tensor fails deep inside
+            # model.step ("expected m1 and m2 to have the same dtype"), naming neither.
+            raise ValueError(
+                f"at {where}: the model computes its latent site '{context.site}' in {prior.x_prior.dtype} but the guide's "
+                f"parameters are {self.guide.loc.dtype}: create the guide under the model's dtype "
+                f"(torch.set_default_dtype) or convert it with guide.to({prior.x_prior.dtype})"
+            )
         if isinstance(y, Tensor) and self._obs_shape is None:
             self._obs_shape = y.shape
         self._state_key = context.state_key

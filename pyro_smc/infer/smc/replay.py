@@ -338,6 +338,8 @@ def resample_every(log_weights: torch.Tensor, particles: list[torch.Tensor], sch
     with warnings.catch_warnings():
         # The sizes it reads are constants indeed: the recording is kept per layout.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        # Recent torch marks torch.jit deprecated; how the step is recorded is not the user's concern.
+        warnings.filterwarnings("ignore", r".*torch\.jit.*deprecated", DeprecationWarning)
         function = torch.jit.trace(resampling, inputs, check_trace=False)
     try:
         function = simplified(function)

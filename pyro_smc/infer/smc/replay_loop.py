@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, List, NamedTuple
 
 import torch
@@ -48,7 +49,10 @@ def _resample_where():
     # Scripted on first use (a few hundred ms), not at import.
     global _scripted_resample_where
     if _scripted_resample_where is None:
-        _scripted_resample_where = torch.jit.script(resample_where)
+        with warnings.catch_warnings():
+            # Recent torch marks torch.jit deprecated; how the loop is compiled is not the user's concern.
+            warnings.filterwarnings("ignore", r".*torch\.jit.*deprecated", DeprecationWarning)
+            _scripted_resample_where = torch.jit.script(resample_where)
     return _scripted_resample_where
 
 

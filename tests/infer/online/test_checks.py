@@ -19,6 +19,7 @@ from pyro.nn import PyroModule, PyroParam
 from pyro_smc import OnlineVariationalFilter
 from pyro_smc.guides import StreamingFilterGuide
 from pyro_smc.infer.online import OnlineFilterWarning
+from pyro_smc.models import LinearGaussianSSM
 from pyro_smc.ops import kalman
 
 
@@ -233,6 +234,19 @@ def test_a_state_key_must_hold_the_latent():
     vf = OnlineVariationalFilter(AR1(2, r=0.5), StreamingFilterGuide(2), num_iterations=1, num_regression_samples=16, state_key="z")
     with pytest.raises(ValueError, match=r"state_key='z' does not hold the latent site 'x_0' after model.step at step 0 .*state\['x'\]"):
         vf.step(torch.zeros(2, dtype=torch.float64))
+
+
+def test_a_guide_of_another_dtype_than_the_model_is_an_error_naming_both():
+    """A float64 model with a guide made under torch's default float32 failed inside model.step
+    ("expected m1 and m2 to have the same dtype"), naming neither; converted, the guide runs."""
+    one = torch.eye(1, dtype=torch.float64)
+    ssm = LinearGaussianSSM(0.9 * one, 0.19 * one, one, one, torch.zeros(1, dtype=torch.float64), one)
+    ys = torch.zeros(3, 1, dtype=torch.float64)
+    guide = StreamingFilterGuide(1).to(torch.float32)
+    with pytest.raises(ValueError, match=r"at step 0: the model computes its latent site 'x_0' in torch.float64 but the guide's parameters are torch.float32"):
+        OnlineVariationalFilter(ssm, guide, num_iterations=1, num_regression_samples=16).run(ys)
+    vf = OnlineVariationalFilter(ssm, guide.to(torch.float64), num_iterations=1, num_regression_samples=16).run(ys)
+    assert vf.elbo.dtype == torch.float64 and torch.isfinite(vf.elbo)
 
 
 @pytest.mark.parametrize("lag", [1.5, True, -1])

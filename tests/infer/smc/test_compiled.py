@@ -4,6 +4,7 @@ would not be valid."""
 
 import contextlib
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -553,3 +554,20 @@ def test_a_step_that_fails_inside_the_loop_is_reported_as_on_the_handler_path(mo
     torch.manual_seed(5)
     fine = SMC(AR(), num_particles=30).run(_data())
     assert looped == [0, T - 2] and fine._compiled.compiled_steps == T - 2
+
+
+def test_recording_and_replaying_raise_no_torch_jit_deprecation(monkeypatch):
+    """Recent torch marks ``torch.jit.trace`` and ``torch.jit.script`` deprecated. How the step is
+    recorded is internal: under warnings as errors (``pytest -W error``) a user's first compiled
+    run raised torch's DeprecationWarning from inside the engine."""
+    from collections import OrderedDict
+
+    from pyro_smc.infer.smc import compiled
+
+    monkeypatch.setattr(replay_loop, "_scripted_resample_where", None)  # scripted afresh
+    monkeypatch.setattr(replay, "_RESAMPLINGS", {})
+    monkeypatch.setattr(compiled, "_SHARED", OrderedDict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        smc, _ = _run(None, model=AR(), num_particles=50, num_filters=2)
+    assert smc._compiled.reason is None and smc._compiled.compiled_steps > 0 and bool(smc.resampled.any())
