@@ -2,7 +2,7 @@
 
 The traces of a step tell what the engine cannot see from its arguments: a latent kept on the
 model instead of in ``state`` (never resampled), a float-coded discrete label (to be copied, never
-averaged), an observation in another dtype than its site, a guide site the model lacks, and
+averaged), an observation or a guide's draw in another dtype than its site, a guide site the model lacks, and
 proposal sites that cannot carry their parameters' gradient (warned about once per site).
 :class:`TraceChecks` runs them all and remembers between steps what it has settled.
 """
@@ -25,6 +25,7 @@ from pyro_smc.tracing import check_observed_shapes, is_latent, is_scored
 
 __all__ = [
     "TraceChecks",
+    "check_guide_dtype",
     "check_observation_dtype",
     "discrete_state_keys",
     "latent_kept_outside_state",
@@ -217,6 +218,36 @@ def check_observation_dtype(model_trace: Trace, y: Any, where: str) -> bool:
     return found
 
 
+def check_guide_dtype(model_trace: Trace, guide_trace: Trace, where: str) -> bool:
+    """Each floating latent the guide draws has the dtype its model site computes in.
+
+    A float32 guide of a float64 model (a ``PyroModule`` proposal built under torch's default
+    dtype) hands the model float32 particles, which silently narrow the model's arithmetic; the
+    first sign was the observation check blaming the model for the guide's dtype.
+
+    Returns:
+        Whether a floating guide site was compared with its model site.
+
+    Raises:
+        ValueError: naming the step, the site and both dtypes.
+    """
+    compared = False
+    for name, site in guide_trace.nodes.items():
+        value = site.get("value")
+        if not is_latent(site) or name not in model_trace.nodes or not isinstance(value, Tensor) or not value.is_floating_point():
+            continue
+        for param in _distribution_parameters(model_trace.nodes[name]["fn"]):
+            if not param.is_floating_point():
+                continue
+            compared = True
+            if param.dtype != value.dtype:
+                raise ValueError(
+                    f"at {where}: the guide draws site '{name}' in {value.dtype}, but the model's site computes in "
+                    f"{param.dtype}: build the guide in the model's dtype (a PyroModule guide: guide.to({param.dtype}))"
+                )
+    return compared
+
+
 class TraceChecks:
     """What a run checks in each step's traces, and what it remembers between steps to do so.
 
@@ -236,6 +267,7 @@ class TraceChecks:
         self.warned_sites: set[str] = set()
         self.discrete_keys: set[str] = set()
         self.dtype_checked = False
+        self.guide_dtype_checked = False
         self.proposal_checked = False
 
     def check(self, proposal: Any, state: dict, inputs: Any, estimator_option: str | None) -> None:
@@ -267,6 +299,9 @@ class TraceChecks:
                     f"at {where}: the guide samples site '{extra[0]}', which the model's step does not have (its latent "
                     f"sites: {own}); the guide must name its sites as the model does at every step"
                 )
+            if not self.guide_dtype_checked:
+                # Before the observation's check, which would blame the model for the guide's dtype.
+                self.guide_dtype_checked = check_guide_dtype(model_trace, guide_trace, where)
         check_observed_shapes(model_trace, self.particle_shape, where)
         self.discrete_keys |= discrete_state_keys(model_trace, state)
         kept = latent_kept_outside_state(model_trace, state, self.model)

@@ -154,6 +154,31 @@ def test_observations_of_another_dtype_than_the_model_are_an_error():
         assert out.dtype == model_dtype
 
 
+def test_a_guide_of_another_dtype_than_the_model_is_an_error_naming_the_guide():
+    """Before: a float32 guide of a float64 model handed the model float32 particles, and the
+    observation's check then blamed the model ("site 'y_0' computes in torch.float32 ... build the
+    model in torch.float64"), which was float64 already. With or without the compiled step."""
+
+    class Proposal:
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+        def init(self, state):
+            self.t = 0
+
+        def step(self, state, y=None):
+            loc = (0.8 * state["x"] if self.t else torch.tensor(0.0)).to(self.dtype) + 0.3 * y.to(self.dtype)
+            pyro.sample(f"x_{self.t}", dist.Normal(loc, 1.0))
+            self.t += 1
+
+    ys = _ys(4)  # float64, as the model (the conftest's default dtype)
+    for compile in (None, False):
+        with pytest.raises(ValueError, match=r"at time step 0: the guide draws site 'x_0' in torch.float32, but the model's site computes in torch.float64"):
+            SMC(AR1(), Proposal(torch.float32), num_particles=10, compile=compile).run(ys)
+        out = SMC(AR1(), Proposal(torch.float64), num_particles=10, compile=compile).run(ys).log_evidence
+        assert out.dtype == torch.float64 and torch.isfinite(out).all()
+
+
 def test_weight_collapse_warns_once_per_run():
     """Before: an observation sd of 1e-6 gave log Z = -8.3e9 with ESS 1 at every step and no
     warning. A healthy run does not warn."""
