@@ -62,7 +62,7 @@ from torch import Tensor
 
 from pyro_smc.infer.model_state import rng_state, set_rng_state
 from pyro_smc.infer.smc.importance import centred_increment, log_weight_terms, score_terms
-from pyro_smc.infer.smc.replay import execute, simplified
+from pyro_smc.infer.smc.replay import execute, ignore_jit_deprecation, simplified
 from pyro_smc.infer.smc.state import SMCState
 from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram, moments
 from pyro_smc.infer.smc.static_checks import (
@@ -484,12 +484,13 @@ def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None
     recording would not generalise (a tensor read as a Python value), or ``None``."""
     with warnings.catch_warnings(record=True) as caught, pyro.validation_enabled(False):
         warnings.simplefilter("always")
+        ignore_jit_deprecation()
         function = torch.jit.trace(function, flat, check_trace=False, strict=False)
     for record in caught:
         if issubclass(record.category, torch.jit.TracerWarning):
             if "registered as constants" not in str(record.message):  # Pyro's scalar parameters: constants indeed
                 return None, f"it reads a tensor as a Python value ({_first_line(record.message)})"
-        elif not (issubclass(record.category, DeprecationWarning) and "torch.jit" in str(record.message)):
+        else:
             # The program's own warnings reach the user as on the handler path.
             warnings.warn_explicit(record.message, record.category, record.filename, record.lineno, source=record.source)
     try:

@@ -35,7 +35,7 @@ import torch
 from pyro_smc.infer.model_state import rng_state, set_rng_state
 from pyro_smc.ops.resample import resample_where
 
-__all__ = ["execute", "resample_every", "simplified"]
+__all__ = ["execute", "ignore_jit_deprecation", "resample_every", "simplified"]
 
 logger = logging.getLogger("pyro_smc")
 
@@ -299,6 +299,14 @@ def _identical(a: Any, b: Any) -> bool:
     return torch.equal(a, b) or (a.is_floating_point() and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))
 
 
+def ignore_jit_deprecation() -> None:
+    """Inside a ``warnings.catch_warnings()`` block: drops torch's deprecation warning for
+    ``torch.jit``, which recent torch emits on every trace and script. How a step is recorded is
+    not the user's concern (under warnings as errors it stopped their first compiled run); every
+    other warning still passes."""
+    warnings.filterwarnings("ignore", r".*torch\.jit.*deprecated", DeprecationWarning)
+
+
 # Recordings of the index resampling of every filter, by scheme and tensor layout: one model's
 # run needs one, an SVI loop over a few shapes a few. Oldest dropped first beyond this many.
 _RESAMPLINGS: dict[tuple, tuple[Callable, dict]] = {}
@@ -338,8 +346,7 @@ def resample_every(log_weights: torch.Tensor, particles: list[torch.Tensor], sch
     with warnings.catch_warnings():
         # The sizes it reads are constants indeed: the recording is kept per layout.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        # Recent torch marks torch.jit deprecated; how the step is recorded is not the user's concern.
-        warnings.filterwarnings("ignore", r".*torch\.jit.*deprecated", DeprecationWarning)
+        ignore_jit_deprecation()
         function = torch.jit.trace(resampling, inputs, check_trace=False)
     try:
         function = simplified(function)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.infer.model_state import rng_state, set_rng_state
+from pyro_smc.infer.smc.replay import ignore_jit_deprecation
 from pyro_smc.infer.smc.result import StepRecord
 from pyro_smc.infer.smc.state import ParticleWeights
 from pyro_smc.ops.resample import resample_where
@@ -50,8 +51,7 @@ def _resample_where():
     global _scripted_resample_where
     if _scripted_resample_where is None:
         with warnings.catch_warnings():
-            # Recent torch marks torch.jit deprecated; how the loop is compiled is not the user's concern.
-            warnings.filterwarnings("ignore", r".*torch\.jit.*deprecated", DeprecationWarning)
+            ignore_jit_deprecation()
             _scripted_resample_where = torch.jit.script(resample_where)
     return _scripted_resample_where
 
