@@ -199,9 +199,14 @@ class MatrixNormal(TorchDistribution):
         value = self.loc + kron_matvec(self.scale_tril_row, self.scale_tril_col.transpose(-1, -2), eps)
         # Remember the noise of the last draw (as a Transform with cache_size=1 remembers its
         # pre-image): scoring one's own sample (what every ELBO does) then needs no triangular
-        # solve, which in float32 is badly wrong once the factors are ill-conditioned.
-        self._last_draw = (value, eps)
+        # solve, which in float32 is badly wrong once the factors are ill-conditioned. The
+        # tensors' versions are kept too: a draw or a parameter changed in place since (an
+        # optimiser's step on a leaf ``loc``) must be scored afresh, not from the stale noise.
+        self._last_draw = (value, eps, self._versions(value))
         return value
+
+    def _versions(self, value: Tensor) -> tuple[int, ...]:
+        return tuple(t._version for t in (value, self.loc, self.scale_tril_row, self.scale_tril_col))
 
     def log_prob(self, value: Tensor) -> Tensor:
         """The log density at ``value`` ``(..., n, p)``."""
@@ -209,7 +214,7 @@ class MatrixNormal(TorchDistribution):
             self._validate_sample(value)
         n, p = self.event_shape
         last = getattr(self, "_last_draw", None)
-        if last is not None and value is last[0]:
+        if last is not None and value is last[0] and self._versions(value) == last[2]:
             maha = last[1].square().sum((-2, -1))
         else:
             maha = kron_tril_mahalanobis(self.scale_tril_row, self.scale_tril_col, value - self.loc)

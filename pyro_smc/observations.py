@@ -187,7 +187,8 @@ def check_observations(observations: Tensor | Sequence[Tensor | None], obs_dim: 
     if like is not None and (observations.dtype != like.dtype or observations.device != like.device):
         raise ValueError(
             f"observations have dtype {observations.dtype} on {observations.device}, but the model's tensors are {like.dtype} on "
-            f"{like.device}: convert the data, observations.to({like.dtype}) (or .to(ssm.init_mean) for dtype and device), or build the model in {observations.dtype}"
+            f"{like.device}: convert the data, observations.to({like.dtype}) (or .to(ssm.init_mean) for dtype and device)"
+            + (f", or build the model in {observations.dtype}" if observations.is_floating_point() else "")
         )
     if observations.is_floating_point():
         row_status(observations)

@@ -245,6 +245,18 @@ def test_log_prob_of_own_sample_is_exact_when_ill_conditioned():
     torch.testing.assert_close(d.log_prob(w).double(), exact, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("changed", ["draw", "loc", "scale_tril_col"])
+def test_log_prob_of_a_draw_changed_in_place_is_recomputed(changed):
+    """The remembered noise of the last draw holds only while neither the draw nor a parameter
+    has changed: after ``w.add_(10)`` (or an optimiser's in-place step on ``loc``) it used to score
+    the stale noise (-7.4 against the exact -203.8, no warning)."""
+    d = _random_mn(3, 4, (), seed=0)
+    w = d.rsample()
+    with torch.no_grad():
+        {"draw": w, "loc": d.loc, "scale_tril_col": d.scale_tril_col.diagonal()}[changed].add_(10.0 if changed == "draw" else 1.0)
+    assert _close(d.log_prob(w), _dense(d).log_prob(_vec(w)))
+
+
 # =================================================================================================
 # Random shapes and dtypes against a dense MultivariateNormal (hypothesis)
 # =================================================================================================

@@ -19,6 +19,10 @@ def test_check_observations_applies_the_missing_data_rule():
     # The model's dtype is the data's: float64 data for a float32 model is an error saying so.
     with pytest.raises(ValueError, match=r"observations have dtype torch.float64.*torch.float32.*\.to\("):
         check_observations([torch.tensor([1.0, float("nan")]), None], 2, like=like)
+    # Integer data: convert it; building the model in torch.int64 is no advice.
+    with pytest.raises(ValueError, match=r"torch.int64.*\.to\(torch.float32\)[^,]*$") as error:
+        check_observations(torch.zeros(3, 2, dtype=torch.long), 2, like=like)
+    assert "build the model" not in str(error.value)
     with pytest.raises(ValueError, match="at least one time step"):
         check_observations([], 2, like=like)
     with pytest.raises(ValueError, match="time step 1"):

@@ -134,6 +134,31 @@ def _positional(fn: Callable) -> list[inspect.Parameter] | None:
     return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def _check_batched(name: str, evaluate: Callable, init_mean: Tensor, size: int) -> None:
+    """The map, evaluated on a batch of ``d + 2`` states near ``init_mean``, returns one row per
+    state, equal to its value on that state alone. The smoothers evaluate it on batches (sigma
+    points; copies of the state for the Jacobian), and a map written for one state (``A @ x``,
+    ``x[0]``) can return the right shape there and the wrong numbers: with ``A @ x`` and ``d``
+    copies of a ``d``-state, linearisation ran and reported convergence 2.4 off the Kalman
+    means."""
+    d = init_mean.shape[0]
+    k = d + 2  # neither d nor e, so that a map that mixes batch and state dims cannot fit
+    offsets = torch.linspace(-1.0, 1.0, k * d, dtype=init_mean.dtype, device=init_mean.device).reshape(k, d)
+    states = init_mean + 0.01 * (1 + init_mean.abs()) * offsets
+    hint = f"{name} must map a batch of states (..., {d}) row by row (write x[..., i] and x @ A.T, not x[i] and A @ x)"
+    try:
+        batch, _ = evaluate(states, 0)
+    except (RuntimeError, IndexError, ValueError) as error:
+        raise ValueError(f"{hint}; on a batch of shape ({k}, {d}) it raised: {error}") from error
+    if not isinstance(batch, Tensor) or tuple(batch.shape) != (k, size):
+        shape = tuple(batch.shape) if isinstance(batch, Tensor) else type(batch).__name__
+        raise ValueError(f"{hint}; on a batch of shape ({k}, {d}) it returned {shape}, not ({k}, {size})")
+    for i in range(k):
+        single, _ = evaluate(states[i], 0)
+        if not torch.allclose(batch[i], single, rtol=1e-4, atol=1e-6, equal_nan=True):
+            raise ValueError(f"{hint}; on a batch of shape ({k}, {d}), row {i} differs from the map of that state alone")
+
+
 def _check_time_argument(name: str, fn: Callable) -> bool:
     """Whether the map ``name`` is called ``fn(x, t)``; raises on a signature that contradicts it."""
     if is_gp(fn):
@@ -254,6 +279,8 @@ class NonlinearGaussianSSM(PyroModule):
                     raise ValueError(f"{name} must map a state of shape ({d},) to shape ({size},), got {tuple(mean.shape)}")
                 if mean.dtype != init_mean.dtype:
                     raise ValueError(f"{name} returns {mean.dtype} for a state of the model's dtype {init_mean.dtype}; it must keep the dtype")
+                if not is_gp(getattr(self, name)):
+                    _check_batched(name, evaluate, init_mean, size)
         self._t = 0
 
     @property

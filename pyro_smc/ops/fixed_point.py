@@ -88,8 +88,9 @@ def implicit_fixed_point(
     Args:
         fn: one evaluation of the iteration, ``(n,) -> (n,)``; closes over the parameters.
         theta: ``(n,)`` the converged fixed point (detached inside).
-        tol: the adjoint iteration stops when no entry of ``lambda`` changes by more than
-            ``tol * max(1, max |lambda|)``.
+        tol: the adjoint iteration stops when the distance left to ``lambda``, estimated from
+            the last step and the contraction rate of the last two (largest entry of each),
+            is at most ``tol * max(1, max |lambda|)``.
         max_iter: most adjoint iterations; if they do not reach ``tol`` the backward pass raises.
         error: if not ``None``, the backward pass raises ``RuntimeError(error)`` instead of
             differentiating (``theta`` is known not to be a fixed point); a callable is asked at
@@ -141,14 +142,15 @@ def implicit_fixed_point(
             finally:
                 inside.pop()
 
-        lam, first = g, None
+        lam, first, previous = g, None, None
         for _ in range(max_iter):
             new = g + vjp(lam)
             step = float((new - lam).abs().max()) if new.numel() else 0.0
             lam = new
-            if step <= tol * max(1.0, float(lam.abs().max()) if lam.numel() else 0.0):
+            if _remaining(step, previous) <= tol * max(1.0, float(lam.abs().max()) if lam.numel() else 0.0):
                 return lam
             first = step if first is None else first
+            previous = step
             if not step < 1e6 * first:  # diverging (or not finite): no use going on
                 break
         flat = _gmres(lambda v: v - vjp(v.reshape(g.shape)).reshape(-1), g.reshape(-1), tol, min(max_iter, g.numel()))
@@ -162,6 +164,19 @@ def implicit_fixed_point(
 
     z.register_hook(adjoint)
     return z
+
+
+def _remaining(step: float, previous: float | None) -> float:
+    """The distance left to the adjoint's fixed point after a step of size ``step``, estimated
+    from the contraction rate ``step / previous`` as ``step / (1 - rate)`` (a geometric tail).
+    The step alone understates it by ``1 / (1 - rate)``: 100x for a map damped to contract by
+    0.99 per step, which used to stop the iteration with the gradient 7% off. No estimate before
+    the second step, or while the steps do not shrink (``inf``); a zero step is exact."""
+    if step == 0.0:
+        return 0.0
+    if previous is None or not step < previous:
+        return float("inf")
+    return step / (1.0 - step / previous)
 
 
 def _gmres(matvec: Callable[[Tensor], Tensor], b: Tensor, tol: float, max_dim: int) -> Tensor | None:

@@ -162,3 +162,26 @@ def test_an_init_mean_of_the_wrong_size_is_named_beside_the_covariance():
     eye = torch.eye(1)
     with pytest.raises(ValueError, match=r"transition_cov must have shape \(2, 2\) \(init_mean has 2 entries\), got \(1, 1\)"):
         NonlinearGaussianSSM(lambda x: x, eye, lambda x: x, eye, torch.zeros(2), eye)
+
+
+_A = torch.tensor([[0.9, 0.2], [-0.1, 0.8]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "name, transition, observation, match",
+    [
+        ("matmul from the left", lambda x: _A @ x, lambda x: x[..., :1], "transition.*it raised"),
+        ("indexing the first dim", lambda x: torch.stack([0.9 * x[0] + 0.2 * x[1], 0.8 * x[1]]), lambda x: x[..., :1], r"transition.*returned \(2, 2\)"),
+        ("a slice of the first dim", lambda x: x @ _A.T, lambda x: x[:1], r"observation.*returned \(1, 2\)"),
+        ("a batch statistic", lambda x: x - x.mean(0) + x.mean(), lambda x: x[..., :1], "transition.*row 0 differs"),
+    ],
+)
+def test_a_map_written_for_one_state_is_refused(name, transition, observation, match):
+    """The smoothers call the maps on batches (sigma points, copies of the state for the
+    Jacobian). ``A @ x`` with ``d`` copies of a 2-d state has the right shape and the wrong
+    numbers: linearisation used to run, report convergence and miss the Kalman means by 2.4."""
+    eye, zero = torch.eye(2, dtype=_A.dtype), torch.zeros(2, dtype=_A.dtype)
+    with pytest.raises(ValueError, match=match):
+        NonlinearGaussianSSM(transition, 0.1 * eye, observation, 0.1 * eye[:1, :1], zero, eye)
+    # The same maps written for batches are accepted.
+    NonlinearGaussianSSM(lambda x: x @ _A.T, 0.1 * eye, lambda x: x[..., :1], 0.1 * eye[:1, :1], zero, eye)

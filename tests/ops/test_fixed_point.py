@@ -31,6 +31,19 @@ def test_affine_fixed_point_gradient_equals_the_closed_form(seed):
         assert torch.allclose(a, c, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("damping", [1.0, 0.1, 0.01])
+def test_a_slowly_contracting_adjoint_stops_near_its_answer_not_on_a_small_step(damping):
+    """``theta = (1 - gamma) theta + gamma (a theta + 1)`` contracts by ``1 - gamma (1 - a)`` per
+    step (0.995 at gamma = 0.01), as a heavily damped EP sweep does. Its fixed point 1 / (1 - a)
+    has derivative 1 / (1 - a)^2 = 4 at a = 0.5 whatever the damping. Stopping on the last step
+    (at most ``tol``) left the adjoint 200 steps' worth short: 2% off at ``tol=1e-4``."""
+    a = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    theta = torch.tensor(2.0, dtype=torch.float64)
+    z = implicit_fixed_point(lambda u: (1 - damping) * u + damping * (a * u + 1), theta, tol=1e-4, max_iter=10000)
+    (grad,) = torch.autograd.grad(z, a)
+    assert abs(float(grad) - 4.0) < 4.0 * 1e-3, float(grad)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_nonlinear_fixed_point_gradient_equals_the_unrolled_one(seed):
     # theta = tanh(W theta + c): a contraction for ||W|| < 1; unrolled to convergence as the oracle.

@@ -175,6 +175,13 @@ class AutoKroneckerFlow(AutoGuide):
                 if full_size != frame.size:
                     loc = periodic_repeat(loc, full_size, frame.dim - event_dim).contiguous()
             self._event_dims[name], self._shapes[name] = event_dim, loc.shape
+            finfo = torch.finfo(loc.dtype)
+            if not finfo.tiny <= self._init_scale <= finfo.max:
+                # Its square root (each Kronecker factor's share) would under- or overflow too.
+                raise ValueError(
+                    f"init_scale={self._init_scale!r} is outside the normal range of site '{name}''s dtype "
+                    f"{loc.dtype} ({finfo.tiny:.3g} to {finfo.max:.3g})"
+                )
             # A site with no entries has nothing to correlate: AutoNormal's (trivial) family, as
             # AutoNormal gives it (torch's Cholesky constraint checks fail on empty matrices).
             if event_dim < 2 or loc.numel() == 0:

@@ -74,6 +74,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import numbers
 import warnings
 
 import torch
@@ -132,7 +133,9 @@ class EPSmoother:
             :math:`\alpha` falls) with the linearisation error scaled by :math:`\alpha`
             (``docs/math/ep.md#power-ep``). 1 is plain EP. Exact on a linear-Gaussian model
             for every power.
-        tol: stop when no marginal's mean or covariance entry changed by more than this.
+        tol: stop when no marginal's mean or covariance entry changed by more than this in a
+            sweep, the change divided by the sweep's damping (what the undamped sweep would
+            change), so that heavy damping cannot stop the sweeps early.
         gradient: how the results are differentiated in the model's tensors (its parameters):
             ``"implicit"`` (default) by implicit differentiation at the EP fixed point, with the
             memory of two sweeps whatever the number of sweeps; the backward pass raises if EP did
@@ -205,8 +208,8 @@ class EPSmoother:
         progress_bar: bool | None = None,
     ):
         strategy = as_projection(projection)
-        if int(max_iter) < 1:
-            raise ValueError(f"max_iter must be >= 1, got {max_iter!r}")
+        if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
+            raise ValueError(f"max_iter must be an int >= 1, got {max_iter!r}")
         for name, value in (("damping", damping), ("power", power)):
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
@@ -329,6 +332,12 @@ class EPSmoother:
             raise ValueError(f"init must be the result of an EPSmoother with schedule={self.schedule!r} (its ep_state), got {state and state.schedule!r}")
         if tuple(state.steps) != tuple(problem.status):
             raise ValueError("init comes from observations with other steps missing (or another length); warm starts need the same pattern")
+        d, dtype = self.ssm.state_dim, problem.ys.dtype
+        if init.means.shape[-1] != d or init.means.dtype != dtype:
+            raise ValueError(
+                f"init comes from a model with {init.means.shape[-1]}-dimensional states in {init.means.dtype}, this one has "
+                f"{d}-dimensional states in {dtype}: warm starts need a result of the same model"
+            )
         return WarmStart(state.theta, init.means.detach(), init.covariances.detach())
 
     def _fixed_point_error(self, run: EPRun, skipped: list) -> str | None:

@@ -114,9 +114,10 @@ def advance(
     marginal = estimator is GradientEstimator.MARGINAL_SCORE and torch.is_grad_enabled() and weights is not None
     if estimator is GradientEstimator.MARGINAL_SCORE:
         check_marginal_supported(program.guide, layout.max_plate_nesting)
-    before = (dict(state), plain_attributes(program.model)) if marginal else None
     # The unbatched state: step_record adds the filter dim itself.
     parent = (dict(state), weights.log_weights) if settings.store_history and weights is not None else None
+    # What the marginal estimator and the smoother's checks re-run the step from.
+    before = (dict(state), plain_attributes(program.model)) if marginal or parent is not None else None
 
     compiled = settings.compiled
     scored = score_function and torch.is_grad_enabled()
@@ -141,9 +142,11 @@ def advance(
     if eligible and replayed is None:
         compiled.observe(program, proposal, state, terms)
     history = smoothing.step_record(proposal.model_trace, state, parent, layout) if settings.store_history and inputs.t is not None else None
+    if history is not None and parent is not None:
+        history["problem"] = smoothing.backward_kernel_problem(program, proposal, before, state, inputs, layout)
     score = None if replayed is None else replayed.score
     if marginal:
-        score = marginal_scores(program, proposal, weights.log_weights, before, state, program.model, inputs, layout)
+        score = marginal_scores(program, proposal, weights.log_weights, before, state, inputs, layout)
         if score is not None:
             # The previous weights' gradient now enters through the marginal score only.
             weights = weights._replace(log_weights=weights.log_weights.detach())

@@ -45,12 +45,11 @@ Example:
 
 from __future__ import annotations
 
-import pyro.poutine as poutine
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.model_state import plain_attributes, restore_attributes
 from pyro_smc.infer.smc.importance import ParticleLayout, pairwise_transition_log_density
+from pyro_smc.infer.smc.markov_checks import transition_problem
 from pyro_smc.infer.smc.state import ParticleWeights
 from pyro_smc.ops.resample import log_mixture_density
 from pyro_smc.tracing import is_latent
@@ -58,50 +57,34 @@ from pyro_smc.tracing import is_latent
 __all__ = ["add_scores", "marginal_scores"]
 
 
-def marginal_scores(program, proposal, log_weights: Tensor, before, state, model, inputs, layout: ParticleLayout) -> Tensor | None:
+def marginal_scores(program, proposal, log_weights: Tensor, before, state, inputs, layout: ParticleLayout) -> Tensor | None:
     r"""``m_i - stop_grad(m_i)`` ``(B, N)`` for the step just traced, with
     :math:`m_i = \log \sum_j w_{t-1}^j f(x_t^i \mid x_{t-1}^j)` and ``log_weights`` the previous ones (the
     caller then detaches them: their gradient enters through ``m_i`` only). ``None`` when the step
     drew nothing.
 
-    ``before`` is the state and the model's plain attributes before the step: a step with several
-    latent sites is run once more, from there, with every draw rolled by one particle, to check that
-    no site's distribution depends on another site of the step.
+    ``before`` is the state and the model's plain attributes before the step: the step may be
+    run once more from there to check that the latent sites give its transition density
+    (:mod:`~pyro_smc.infer.smc.markov_checks`).
+
+    Raises:
+        ValueError: a latent site depends on another latent site of the step, or a state entry
+            on the previous state beyond the step's draws (naming it and the step).
     """
     model_trace = proposal.model_trace
     latent = [name for name, site in model_trace.nodes.items() if is_latent(site)]
     if not latent:
         return None
-    if len(latent) > 1:
-        _check_sites_independent(program, proposal, latent, before, state, model, inputs, layout)
+    problem = transition_problem(program, proposal, before, state, inputs, layout)
+    if problem is not None:
+        raise ValueError(
+            f"marginal stop-gradient at {inputs.where}: {problem}; the marginal estimator needs the step's latent "
+            "sites to give its transition density (each depending on the previous state only, the state written "
+            "from the draws alone): use gradient='stop_gradient'"
+        )
     log_f = pairwise_transition_log_density(model_trace, layout)
     m = log_mixture_density(log_weights, log_f)
     return torch.where(torch.isfinite(m), m - m.detach(), torch.zeros_like(m))
-
-
-def _check_sites_independent(program, proposal, latent, before, state, model, inputs, layout: ParticleLayout) -> None:
-    model_trace = proposal.model_trace
-    after = (dict(state), plain_attributes(model))
-    dim = len(layout.particle_shape) - 1
-    rolled = {name: model_trace.nodes[name]["value"].roll(1, dims=dim) for name in latent}
-    try:
-        dict.clear(state)
-        dict.update(state, before[0])
-        restore_attributes(model, before[1])
-        with program.handlers():
-            check = poutine.trace(poutine.condition(proposal.model_fn, data=rolled)).get_trace(state, *inputs.args, **inputs.kwargs)
-    finally:
-        dict.clear(state)
-        dict.update(state, after[0])
-        restore_attributes(model, after[1])
-    for name in latent:
-        value = model_trace.nodes[name]["value"]
-        if not torch.equal(check.nodes[name]["fn"].log_prob(value), model_trace.nodes[name]["fn"].log_prob(value)):
-            raise ValueError(
-                f"marginal stop-gradient at {inputs.where}: the distribution of site '{name}' depends on another "
-                "latent site of the same step; the marginal estimator needs every latent site to depend on "
-                "the previous state only (use gradient='stop_gradient')"
-            )
 
 
 def add_scores(weights: ParticleWeights, score: Tensor) -> ParticleWeights:

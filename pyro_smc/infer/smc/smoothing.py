@@ -54,11 +54,12 @@ from torch import Tensor
 from torch.distributions import Distribution, Independent, MultivariateNormal, Normal
 
 from pyro_smc.infer.smc.importance import ParticleLayout, log_density_against_parents, transition_site_problem
+from pyro_smc.infer.smc.markov_checks import transition_problem
 from pyro_smc.ops.resample import inverse_cdf, weighted_quantiles
 from pyro_smc.progress import progress
 from pyro_smc.tracing import is_latent
 
-__all__ = ["SMOOTHING_METHODS", "detached_record", "smooth", "step_record"]
+__all__ = ["SMOOTHING_METHODS", "backward_kernel_problem", "detached_record", "smooth", "step_record"]
 
 #: The ``method=`` values of :func:`smooth`.
 SMOOTHING_METHODS = ("ffbs", "rejection", "genealogy")
@@ -96,7 +97,22 @@ def step_record(model_trace: Trace, state: dict, parent: tuple[dict, Tensor] | N
     if parent is not None:
         parent_state = {k: layout.batched_particles(v.detach()) for k, v in parent[0].items()}
         parent_log_w = parent[1].detach()
-    return {"sites": sites, "parent_state": parent_state, "parent_log_weights": parent_log_w}
+    return {"sites": sites, "parent_state": parent_state, "parent_log_weights": parent_log_w, "problem": None}
+
+
+def backward_kernel_problem(program, proposal, before: tuple[dict, Any], state: dict, inputs, layout: ParticleLayout) -> str | None:
+    """Why the step just traced gives ``"ffbs"`` and ``"rejection"`` no backward kernel (``None``
+    when it does): a latent site that depends on another site of the step, or a state entry that
+    depends on the previous state beyond the step's draws (:mod:`~pyro_smc.infer.smc.markov_checks`).
+    ``"genealogy"`` needs neither."""
+    problem = transition_problem(program, proposal, before, state, inputs, layout)
+    if problem is None:
+        return None
+    return (
+        f"particle smoothing at {inputs.where}: {problem}, so the backward kernel cannot be read off the stored "
+        "distributions; method='ffbs' and 'rejection' need every latent site to depend on the previous state only "
+        "and the state to be written from the step's draws alone (use method='genealogy')"
+    )
 
 
 def record_weighted(record: dict[str, Any], state: dict, log_weights: Tensor, layout: ParticleLayout) -> None:
@@ -358,8 +374,10 @@ def smooth(
 
     Raises:
         ValueError: ``"genealogy"`` without ancestors; ``"ffbs"`` or ``"rejection"`` with a latent
-            site that is not a per-particle distribution, or through a transport whose latent values
-            are not in the state; a negative ``max_rounds``.
+            site that is not a per-particle distribution or that depends on another site of its
+            step, with a state entry that depends on the previous state beyond the step's draws,
+            or through a transport whose latent values are not in the state; a negative
+            ``max_rounds``.
     """
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
         raise ValueError(f"max_rounds must be a non-negative int, got {max_rounds!r}")
@@ -374,6 +392,10 @@ def smooth(
             "method='genealogy' needs the ancestors an index resampler draws; this resampler moves the particles "
             "by a transport map (optimal transport) or a kernel and draws none: use method='ffbs'"
         )
+    if method != "genealogy":
+        problem = next((rec["problem"] for rec in history[1:] if rec.get("problem")), None)
+        if problem is not None:
+            raise ValueError(problem)
     index = _categorical(last["log_weights"], num_samples)  # (S, B)
     out = [{k: _pick(last["state"][k], index) for k in keys}]
     values = {site["name"]: _pick(site["value"], index) for site in last["sites"]}

@@ -151,6 +151,27 @@ def test_bad_input():
         AutoKroneckerFlow(regression, flow="glow")
     with pytest.raises(ValueError, match="init_scale"):
         AutoKroneckerFlow(regression, init_scale=0.0)
+    # Finite, but beyond float32: the factors' share sqrt(init_scale) used to underflow to a
+    # singular factor (a constraint error on a zero matrix) or overflow in torch.full_like.
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    for dtype, extremes in ((torch.float32, (1e-300, 1e300)), (torch.float64, (1e-310,))):
+        for extreme in extremes:
+            with pytest.raises(ValueError, match=rf"init_scale=.*site 'w'.*{dtype}"):
+                AutoKroneckerFlow(_on(regression, dtype), kind="linear", init_scale=extreme)(x.to(dtype), y.to(dtype))
+
+
+def _on(model, dtype):
+    """``model`` run with ``dtype`` as the default dtype (its priors' draws take it)."""
+
+    def run(*args):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return model(*args)
+        finally:
+            torch.set_default_dtype(old)
+
+    return run
 
 
 def test_model_without_matrix_sites_is_autonormal_without_a_warning():

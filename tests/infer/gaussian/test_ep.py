@@ -190,7 +190,7 @@ def test_bad_input():
         EPSmoother(ssm).smooth(ys)
     with pytest.raises(ValueError, match="shape"):
         EPSmoother(ssm).smooth(torch.zeros(5, 2))
-    for kwargs, name in [({"damping": 0.0}, "damping"), ({"power": 1.5}, "power"), ({"max_iter": 0}, "max_iter"), ({"tol": 0}, "tol"), ({"projection": "magic"}, "projection")]:
+    for kwargs, name in [({"damping": 0.0}, "damping"), ({"power": 1.5}, "power"), ({"max_iter": 0}, "max_iter"), ({"max_iter": 2.7}, "max_iter"), ({"max_iter": "3"}, "max_iter"), ({"tol": 0}, "tol"), ({"projection": "magic"}, "projection")]:
         with pytest.raises(ValueError, match=name):
             EPSmoother(ssm, **kwargs)
     with pytest.raises(ValueError, match="projection"):
@@ -392,3 +392,21 @@ def test_with_linear_measurements_ep_is_the_first_sweep(projection, smoother, sc
             warnings.simplefilter("ignore", EPConvergenceWarning)  # three sweeps, not meant to converge
             run = EPSmoother(other, projection=projection, **{"schedule": schedule, **kwargs}, max_iter=3).smooth(data)
         assert (run.means - run.first_sweep.means).abs().max() > 1e-3
+
+
+def test_heavy_damping_does_not_fake_convergence():
+    """A sweep damped by ``gamma`` moves about ``gamma`` times as far as the undamped one, so
+    the stopping rule divides the change by it (as the parallel schedule already did). The
+    sequential schedule compared the damped change itself: at ``damping=0.1, tol=1e-4`` it
+    reported convergence 1.8e-3 (18 tol) from the fixed point (at ``damping=0.01, tol=1e-3``,
+    T = 50: 0.19). It now stops within a few ``tol`` (7.5e-5) of the tightly converged run's."""
+    one = torch.ones(1, 1, dtype=torch.float64)
+
+    def model():
+        return NonlinearGaussianSSM(lambda x: 0.8 * x + 0.8 * torch.sin(x), 0.3 * one, lambda x: x + 0.1 * x**3, 0.5 * one, torch.zeros(1, dtype=torch.float64), one)
+
+    _, ys = model().simulate(10, generator=torch.Generator().manual_seed(5))
+    exact = EPSmoother(model(), projection="unscented", max_iter=200, tol=1e-12).smooth(ys)
+    damped = EPSmoother(model(), projection="unscented", max_iter=1000, damping=0.1, tol=1e-4).smooth(ys)
+    assert damped.converged
+    assert float((damped.means - exact.means).abs().max()) < 5e-4

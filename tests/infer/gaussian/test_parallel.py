@@ -185,6 +185,12 @@ def test_bad_input():
         EPSmoother(ssm, projection="unscented", schedule="parallel").smooth(missing, init=par)
     with pytest.raises(ValueError, match="init must be"):
         EPSmoother(ssm, projection="unscented", schedule="parallel").smooth(ys, init=par.first_sweep)
+    # A result of a model with another state size (or dtype) used to fail in a reshape.
+    eye = torch.eye(2, dtype=ys.dtype)
+    other = NonlinearGaussianSSM(lambda x: 0.5 * x, eye, lambda x: x[..., :1], eye[:1, :1], torch.zeros(2, dtype=ys.dtype), eye)
+    wide = EPSmoother(other, projection="unscented", schedule="parallel").smooth(ys)
+    with pytest.raises(ValueError, match="2-dimensional states.*1-dimensional states.*same model"):
+        EPSmoother(ssm, projection="unscented", schedule="parallel").smooth(ys, init=wide)
 
 
 def test_a_non_converged_parallel_run_is_never_differentiated_implicitly():

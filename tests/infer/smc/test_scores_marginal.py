@@ -24,6 +24,7 @@ from pyro_smc.ops.resample import log_mixture_density
 from pyro_smc.resamplers import MultinomialResampler, StratifiedResampler, SystematicResampler
 from pyro_smc.tracing import detach_latent_draws
 from tests.infer.paper_model import DiagLinearGaussian, kalman_log_evidence, simulate
+from tests.infer.smc.test_smoothing import _LagStep
 from tests.infer.smc.test_scores_stop_gradient import THETA, PosteriorGuide, Switching, _check_mean, _weighted_scores
 
 MARGINAL = "marginal_stop_gradient"
@@ -168,8 +169,9 @@ def _two_sites_model(theta, dependent):
 
 
 def test_unsupported_cases_raise():
-    """A guide, model plates, and a site whose distribution depends on another site of the same
-    step raise ``ValueError`` (the last naming the site); independent sites run, unchanged forward."""
+    """A guide, model plates, a site whose distribution depends on another site of the same step
+    and a state entry carried from the previous state raise ``ValueError`` (the last two naming
+    the site or key); independent sites run, unchanged forward."""
     ys = torch.randn(4, dtype=torch.float64)
     theta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
     guide = PosteriorGuide(torch.tensor(THETA), torch.tensor(0.5))
@@ -180,6 +182,9 @@ def test_unsupported_cases_raise():
         SMC(DiagLinearGaussian(torch.tensor(THETA), learnable=False), num_particles=8, resampler=resampler, max_plate_nesting=1).run(simulate(THETA, 3, 0)[1])
     with pytest.raises(ValueError, match="site 'b_1'"):
         SMC(_two_sites_model(theta, True), num_particles=8, num_filters=2, resampler=resampler).run(ys)
+    # A lag in the state (an AR(2)): the transition has a point mass the sites do not show.
+    with pytest.raises(ValueError, match=r"time step 0: state\['lag'\] depends on the previous state"):
+        SMC(_LagStep(), num_particles=8, num_filters=2, resampler=resampler).run(ys)
     runs = []
     for gradient in ("stop_gradient", MARGINAL):
         pyro.set_rng_seed(0)

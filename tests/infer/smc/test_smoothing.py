@@ -12,6 +12,7 @@ import io
 import math
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 
@@ -195,6 +196,76 @@ def test_smooth_errors():
     plated = SMC(ssm, num_particles=10, max_plate_nesting=1, store_history=True).run(ys)
     with pytest.raises(ValueError, match="max_plate_nesting"):
         plated.smooth(3)
+
+
+class _SwitchingStep:
+    """``z_t ~ Bernoulli(0.3)``, then ``x_t ~ N(0.8 x_{t-1} + 2 z_t, 0.5)``: a site of the step
+    depends on another site of the same step."""
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(0.0, 1.0))
+
+    def step(self, state, y):
+        z = pyro.sample("z", dist.Bernoulli(torch.full_like(state["x"], 0.3)))
+        state["x"] = pyro.sample("x", dist.Normal(0.8 * state["x"] + 2 * z, 0.5))
+        pyro.sample("y", dist.Normal(state["x"], 0.5), obs=y)
+
+
+class _LagStep:
+    """An AR(2) written with its lag in the state: ``state["lag"]`` is the previous ``x``."""
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(0.0, 1.0))
+        state["lag"] = torch.zeros_like(state["x"])
+
+    def step(self, state, y):
+        x = pyro.sample("x", dist.Normal(1.2 * state["x"] - 0.5 * state["lag"], 0.5))
+        state["lag"], state["x"] = state["x"], x
+        pyro.sample("y", dist.Normal(x, 0.5), obs=y)
+
+
+class _DerivedStep:
+    """State entries that are functions of the step's draws (``x2``), or the same for every
+    particle (the counter ``n``), and a second, independent site: the latent sites still give
+    the transition density."""
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(0.0, 1.0))
+        state["x2"], state["n"] = state["x"] ** 2, torch.zeros_like(state["x"])
+
+    def step(self, state, y):
+        x = pyro.sample("x", dist.Normal(0.8 * state["x"], 0.5))
+        e = pyro.sample("e", dist.Normal(torch.zeros_like(x), 1.0))
+        state["x"], state["x2"], state["n"] = x, x**2, state["n"] + 1
+        pyro.sample("y", dist.Normal(x + 0.1 * e, 0.5), obs=y)
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [(_SwitchingStep, "site 'x' depends on another latent site"), (_LagStep, r"state\['lag'\] depends on the previous state")],
+)
+def test_ffbs_refuses_a_step_whose_latent_sites_are_not_its_transition(model, match):
+    """FFBS and rejection read the transition density off the sites' stored distributions. With
+    a site that depends on another site of its step, or a lag in the state, they used to return
+    silently wrong trajectories (a switching model: P(z_1 = 1 | y) 0.24 against the exact 0.07;
+    an AR(2): smoothed means 0.85 posterior sd off, with lags that disagree with the path). They
+    now refuse, naming the site or key and the step; the genealogy, which needs no backward
+    kernel, still smooths."""
+    ys = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    smc = SMC(model(), num_particles=50, num_filters=2, store_history=True).run(ys)
+    for method in ("ffbs", "rejection"):
+        with pytest.raises(ValueError, match=f"time step 1: {match}" if model is _LagStep else match):
+            smc.smooth(4, method=method)
+    assert smc.smooth(4, method="genealogy")["x"].shape == (4, 8, 2)
+
+
+def test_ffbs_accepts_state_entries_made_from_the_draws():
+    ys = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    smc = SMC(_DerivedStep(), num_particles=50, num_filters=2, store_history=True).run(ys)
+    for method in ("ffbs", "rejection"):
+        paths = smc.smooth(4, method=method)
+        assert torch.equal(paths["x2"], paths["x"] ** 2)
+        assert torch.equal(paths["n"], torch.arange(1.0, 9.0).view(1, 8, 1).expand(4, 8, 2))
 
 
 def test_ancestors_are_returned_without_changing_the_output():
