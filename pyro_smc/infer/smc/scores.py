@@ -31,7 +31,8 @@ transition density: the log-weight becomes :math:`\operatorname{stop\_grad}(\log
 filter (one vectorised ``log_prob`` per latent site; :math:`O(B N^2)` time and memory per step). The
 forward pass is again unchanged, :math:`\mathbb E[\hat Z G] = \nabla_\theta Z` still holds exactly, and the variance
 of ``G`` grows far more slowly with ``T`` (Poyiadjis, Doucet and Singh, 2011). Bootstrap filters
-only, ``max_plate_nesting == 0``, and every latent site must depend on the previous state only;
+only, ``max_plate_nesting == 0``, every latent site must depend on the previous state only and
+the state must be written from the step's draws alone (:mod:`~pyro_smc.infer.smc.markov_checks`);
 otherwise ``ValueError``. See ``docs/math/smc.md#marginal-stop-gradient``.
 
 Example:
