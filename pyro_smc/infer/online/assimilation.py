@@ -100,7 +100,7 @@ def record_extrapolation(vf: OnlineVariationalFilter, x_prev: Tensor) -> None:
     draws ``x_prev`` ``(N, d)`` of ``x_{t-1}`` outside the draws of ``q_{t-1}`` that ``U_{t-1}`` was
     fitted on (:func:`~pyro_smc.infer.online.checks.extrapolation`)."""
     distance = extrapolation(vf._previous, x_prev)
-    if distance is None:
+    if distance is None or vf.unreliable_steps[-1:] == [vf.t]:  # listed already (unconverged)
         return
     vf.unreliable_steps.append(vf.t)
     if len(vf.unreliable_steps) == 1:

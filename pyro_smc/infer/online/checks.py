@@ -47,6 +47,7 @@ __all__ = [
     "mahalanobis_squared",
     "standard_error",
     "warn_extrapolated",
+    "warn_unconverged",
     "warn_if_few_regression_samples",
 ]
 
@@ -294,4 +295,23 @@ def warn_extrapolated(t: int, distance: float, d: int, initialize: str) -> None:
             "Later such steps are listed in unreliable_steps, not warned"
         ),
         stacklevel=5,  # warn_extrapolated < record_extrapolation < assimilate < step < the caller
+    )
+
+
+def warn_unconverged(t: int, num_iterations: int, initialize: str) -> None:
+    r"""Emits :class:`OnlineFilterWarning` for step ``t``, whose optimisation (started by
+    ``initialize``, not the Laplace fit) ran all ``num_iterations`` without meeting its stopping
+    rule. Its ``q_t`` can then be far from the filtering distribution, and the value regression
+    fitted on its draws biased where the next kernel evaluates it: on a Poisson model with
+    ``initialize="predict"`` such steps put the running ELBO 12.7 nats (6 standard errors) above
+    :math:`\log p(y)`, with every kernel inside the extrapolation limit."""
+    warnings.warn(
+        OnlineFilterWarning(
+            f"step {t}: the step's optimisation ran all num_iterations={num_iterations} iterations without meeting its "
+            f"stopping rule (initialize={initialize!r}), so q_t may be far from the filtering distribution and "
+            "log_evidence (the running ELBO) is unreliable from this step on: it can even exceed log p(y). Use "
+            "initialize='laplace' (the default), more num_iterations or a larger lr. Later such steps are listed in "
+            "unreliable_steps, not warned"
+        ),
+        stacklevel=3,  # warn_unconverged < step < the caller
     )

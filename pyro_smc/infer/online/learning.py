@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import pyro
@@ -129,6 +130,13 @@ class ParameterLearner:
         step = grad if self.grad_previous is None else grad - self.grad_previous
         self.grad_previous = grad
         eta = self.schedule(t)
+        try:
+            valid = not isinstance(eta, bool) and math.isfinite(float(eta)) and float(eta) >= 0
+        except (TypeError, ValueError, RuntimeError):
+            valid = False
+        if not valid:
+            # A negative step would walk down the likelihood, silently.
+            raise ValueError(f"at step {t}: parameter_lr({t}) must be a finite number >= 0, got {eta!r}")
         with torch.no_grad():
             offset = 0
             for leaf in leaves:

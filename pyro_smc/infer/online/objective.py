@@ -173,6 +173,8 @@ class StepOptimiser:
         iterations: the number of iterations the last :meth:`fit` ran (0 before the first).
         checked: the check that stopped the last :meth:`fit` (``None`` when none did), whose
             draws are from the guide as fitted.
+        exhausted: whether the last :meth:`fit` ran all ``num_iterations`` with a stopping rule
+            on and neither rule stopped it.
     """
 
     def __init__(self, guide: StreamingFamily, *, lr: float, initial_lr: float, num_iterations: int, num_samples: int, tol: float | None = None, stop_sigmas: float | None = None, check_samples: int = 256):
@@ -183,6 +185,7 @@ class StepOptimiser:
         self.optim: torch.optim.Optimizer | None = None
         self.iterations = 0
         self.checked: Checked | None = None
+        self.exhausted = False
 
     def fit(self, context: StepContext, value: Regressor | None) -> None:
         """Runs the step's iterations; ``value`` is ``U_{t-1}`` (``None`` at the first step).
@@ -193,6 +196,7 @@ class StepOptimiser:
         n = self.num_iterations
         self.iterations = 0
         self.checked = None
+        self.exhausted = False
         if n == 0:
             return
         values: list[float] = []
@@ -239,6 +243,8 @@ class StepOptimiser:
             self.iterations = i + 1
             if self.tol is not None and converged(values, self.tol, STOP_WINDOW):
                 break
+        else:
+            self.exhausted = self.stop_sigmas is not None or self.tol is not None
 
     def _check(self, context: StepContext, value: Regressor | None, named: list, frame: StepFrame, w: dict[str, Tensor]) -> Checked:
         """The gradient rule's check at the guide's current parameters (``frame.parameters(w)``)."""
