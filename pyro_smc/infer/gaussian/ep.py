@@ -74,12 +74,12 @@ References:
 from __future__ import annotations
 
 import contextlib
-import numbers
 import warnings
 
 import torch
 from torch import Tensor
 
+from pyro_smc.checks import int_at_least
 from pyro_smc.gp import pinned_posteriors
 from pyro_smc.infer.gaussian.factors import Factors
 from pyro_smc.infer.gaussian.observed import observation_status
@@ -208,8 +208,7 @@ class EPSmoother:
         progress_bar: bool | None = None,
     ):
         strategy = as_projection(projection)
-        if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
-            raise ValueError(f"max_iter must be an int >= 1, got {max_iter!r}")
+        max_iter = int_at_least("max_iter", max_iter, 1)
         for name, value in (("damping", damping), ("power", power)):
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must lie in (0, 1], got {value!r}")

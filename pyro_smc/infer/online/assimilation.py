@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +44,7 @@ from pyro_smc.infer.online.objective import draw, increment
 if TYPE_CHECKING:
     from pyro_smc.infer.online.filter import OnlineVariationalFilter
 
-__all__ = ["assimilate", "record_extrapolation"]
+__all__ = ["assimilate", "mark_unreliable", "record_extrapolation"]
 
 
 def assimilate(vf: OnlineVariationalFilter, context: StepContext) -> None:
@@ -100,8 +101,16 @@ def record_extrapolation(vf: OnlineVariationalFilter, x_prev: Tensor) -> None:
     draws ``x_prev`` ``(N, d)`` of ``x_{t-1}`` outside the draws of ``q_{t-1}`` that ``U_{t-1}`` was
     fitted on (:func:`~pyro_smc.infer.online.checks.extrapolation`)."""
     distance = extrapolation(vf._previous, x_prev)
-    if distance is None or vf.unreliable_steps[-1:] == [vf.t]:  # listed already (unconverged)
+    if distance is not None:
+        mark_unreliable(vf, lambda: warn_extrapolated(vf.t, distance, x_prev.shape[-1], vf.initialize))
+
+
+def mark_unreliable(vf: OnlineVariationalFilter, warn: Callable[[], None]) -> None:
+    """Lists the current step in ``vf.unreliable_steps`` (once) and calls ``warn`` if it is the
+    stream's first: every reason a step's estimate is unreliable shares the list and the one
+    warning."""
+    if vf.unreliable_steps[-1:] == [vf.t]:
         return
     vf.unreliable_steps.append(vf.t)
     if len(vf.unreliable_steps) == 1:
-        warn_extrapolated(vf.t, distance, x_prev.shape[-1], vf.initialize)
+        warn()

@@ -294,7 +294,7 @@ def warn_extrapolated(t: int, distance: float, d: int, initialize: str) -> None:
             f"log_evidence (the running ELBO) is unreliable from this step on, and can even exceed log p(y). Use {remedy}. "
             "Later such steps are listed in unreliable_steps, not warned"
         ),
-        stacklevel=5,  # warn_extrapolated < record_extrapolation < assimilate < step < the caller
+        stacklevel=7,  # warn_extrapolated < lambda < mark_unreliable < record_extrapolation < assimilate < step < the caller
     )
 
 
@@ -313,5 +313,5 @@ def warn_unconverged(t: int, num_iterations: int, initialize: str) -> None:
             "initialize='laplace' (the default), more num_iterations or a larger lr. Later such steps are listed in "
             "unreliable_steps, not warned"
         ),
-        stacklevel=3,  # warn_unconverged < step < the caller
+        stacklevel=5,  # warn_unconverged < lambda < mark_unreliable < step < the caller
     )

@@ -70,7 +70,7 @@ from torch import Tensor
 from pyro_smc.checks import int_at_least, positive_float, positive_int
 from pyro_smc.guides.streaming.family import StreamingFamily, marginal_covariance
 from pyro_smc.infer.online import checkpoint
-from pyro_smc.infer.online.assimilation import assimilate
+from pyro_smc.infer.online.assimilation import assimilate, mark_unreliable
 from pyro_smc.infer.online.checks import EXTRAPOLATION_LIMIT, INITIALIZE, OnlineFilterWarning, check_marginal, check_settings, warn_if_few_regression_samples, warn_unconverged
 from pyro_smc.infer.online.context import StepContext, observation_missing
 from pyro_smc.infer.online.learning import ParameterLearner, model_parameter_names, robbins_monro, step_sizes
@@ -295,9 +295,7 @@ class OnlineVariationalFilter:
         self._optimiser.fit(context, self._value)
         if self._optimiser.exhausted and self.initialize != "laplace":
             # A Laplace start is a sound approximation by itself; the others can be far off.
-            self.unreliable_steps.append(self.t)
-            if len(self.unreliable_steps) == 1:
-                warn_unconverged(self.t, self._optimiser.num_iterations, self.initialize)
+            mark_unreliable(self, lambda: warn_unconverged(self.t, self._optimiser.num_iterations, self.initialize))
         if self._optimiser.iterations or self.initialize == "previous":  # else the start, checked above
             check_marginal(self.guide, where)
         assimilate(self, context)
