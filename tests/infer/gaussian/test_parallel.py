@@ -129,8 +129,9 @@ def test_damping_adapts_where_undamped_parallel_updates_would_oscillate():
 
 
 def test_warm_start_resumes_at_the_fixed_point_and_moves_with_the_parameters():
-    # T = 10 takes the sweeps T = 25 took on this data (moved: 13 warm to 17 cold in parallel, 8 to
-    # 10 in sequence; measured). Not every data set shows the saving: data seed 1 does not, in sequence.
+    # Moved by 0.05, the warm start took fewer sweeps than the cold one on data seeds 0-7 in
+    # parallel (11-15 against 12-18; measured) and no more in sequence (6-9 against 7-10; equal on
+    # seed 1), so the sequential check is "no more".
     ssm = _scalar_model()
     ys = _data(ssm, 10, 0)
     for schedule in ("parallel", "sequential"):
@@ -143,7 +144,7 @@ def test_warm_start_resumes_at_the_fixed_point_and_moves_with_the_parameters():
         with torch.no_grad():
             ssm.transition.b.add_(0.05)
         moved_cold, moved_warm = smoother.smooth(ys), smoother.smooth(ys, init=cold)
-        assert len(moved_warm.history) < len(moved_cold.history)
+        assert len(moved_warm.history) < len(moved_cold.history) if schedule == "parallel" else len(moved_warm.history) <= len(moved_cold.history)
         assert torch.allclose(moved_warm.means, moved_cold.means, atol=1e-8)
         assert torch.allclose(moved_warm.log_evidence, moved_cold.log_evidence, atol=1e-8)
         g_warm = torch.autograd.grad(moved_warm.log_evidence, list(ssm.parameters()))
