@@ -14,9 +14,16 @@ as an uncompiled one and gives the same particles, log-evidence and gradients to
 A recording is only valid for a program that does the same thing at every step. What is checked:
 
 * while recording, no tensor is turned into a Python number or branch (``float(x)``, ``if x > 0``:
-  the trace would freeze that value), no tensor that requires grad is missed as an input, and the
-  model and guide change no attribute (a step counter on ``self`` would be frozen) and add to no
-  list or dict attribute (a replay skips the program's Python side effects);
+  the trace would freeze that value), no tensor that requires grad is missed as an input, the
+  grad mode is not switched inside the step (:class:`~pyro_smc.infer.smc.python_state.GradModeWatch`),
+  and at the first regular step and at the recorded one the step changes none of the Python
+  state it can reach (:mod:`~pyro_smc.infer.smc.python_state`: the model's and guide's
+  attributes, their contents, the closures and globals of their functions, tensors written in
+  place, the global random states), since a replay skips the program's Python side effects and
+  would freeze a counter kept anywhere there;
+* before every replayed step, the Python values the verified recording read are still what they
+  were (:func:`~pyro_smc.infer.smc.python_state.stale`): a constant set on the model between two
+  calls of ``SMC.step`` sends the rest of the run to the handler path;
 * at the next regular step the recording runs side by side with the handler path (the random
   state rewound in between): same sites, same shapes, same numbers, or the run falls back;
 * at every later step the step must look the same from outside: the same state keys, shapes and
@@ -62,6 +69,7 @@ from torch import Tensor
 
 from pyro_smc.infer.model_state import rng_state, set_rng_state
 from pyro_smc.infer.smc.importance import centred_increment, log_weight_terms, score_terms
+from pyro_smc.infer.smc.python_state import GradModeWatch, Snapshot, first_change, snapshot, stale
 from pyro_smc.infer.smc.replay import execute, ignore_jit_deprecation, simplified
 from pyro_smc.infer.smc.state import SMCState
 from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram, moments
@@ -160,6 +168,8 @@ class CompiledStep:
         self._params: tuple[str, ...] | None = None
         self._pending: tuple | None = None
         self._before: tuple | None = None
+        self._deep: Snapshot | None = None  # the Python state before the step being checked
+        self._between: Snapshot | None = None  # the Python state the verified recording bakes in
         self._verified = False
 
     @property
@@ -217,7 +227,9 @@ class CompiledStep:
                 self._recording, self._params, self._before = earlier, earlier.params, attribute_snapshot(program)
         if self._params is None:
             # The first regular step runs on the handlers; observe() reads what it changed.
-            self._before = attribute_snapshot(program)
+            self._before, self._deep = attribute_snapshot(program), _during(program, state, inputs)
+            if self._deep.problem is not None:
+                self.give_up(self._deep.problem)
             return None
         recording = self._recording
         if log_weights is None:
@@ -228,9 +240,16 @@ class CompiledStep:
         if recording.signature != signature or shapes(extra) != recording.extra:
             return None
         if not self._verified:
+            if self._changed_between_steps():
+                return None
+            # What the handler path changes at this step is read against the program as it is now
+            # (a tensor attribute replaced since the recording is an input, not a side effect).
+            self._before, self._deep = attribute_snapshot(program), _during(program, state, inputs)
             rng = rng_state()
             self._pending = self._call(recording, tensors + extra)
             set_rng_state(rng)
+            return None
+        if self._changed_between_steps():
             return None
         return self._replay(recording, state, tensors + extra)
 
@@ -245,6 +264,8 @@ class CompiledStep:
             # A step that changes the program's attributes is given up on before any recording
             # runs it a second time.
             problem = side_effect(self._before, program) if self._before is not None else None
+            if problem is None and self._deep is not None:
+                problem = _changes(self._deep, _during(program, None, None))
             if problem is not None:
                 self.give_up(problem)
             return
@@ -252,6 +273,8 @@ class CompiledStep:
             return
         replayed, self._pending = self._pending, None
         changed = side_effect(self._before, program) if self._before is not None else None
+        if changed is None and self._deep is not None:
+            changed = _changes(self._deep, _during(program, None, None))
         problem = changed or disagreement(self._recording.sites, replayed[0].state, replayed[0].terms, sites(proposal), dict(state), terms)
         if problem is not None and self._recording.runs > 0:
             # An earlier run's recording no longer fits (a constant the program reads changed):
@@ -263,6 +286,7 @@ class CompiledStep:
         else:
             self._verified = True
             self._recording = self._recording._replace(runs=self._recording.runs + 1)
+            self._between = _between(program, module_tensors(program))
             _keep(program, self._recording)
 
     def loop_inputs(self, program: StepProgram, state: SMCState, log_weights: Tensor, threshold: float, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, detach: bool, score: bool):
@@ -277,9 +301,23 @@ class CompiledStep:
             return None
         tensors, signature = _step_signature(state, inputs, log_weights, threshold, model_fn, guide_fn, detach, score)
         extra = module_tensors(program)
-        if signature != recording.signature or shapes(extra) != recording.extra:
+        if signature != recording.signature or shapes(extra) != recording.extra or self._changed_between_steps():
             return None
         return recording, tensors + (log_weights,) + extra + _parameters(recording), len(state), len(tensors)
+
+    def _changed_between_steps(self) -> bool:
+        """Gives up when the Python state the recording baked in changed since it was verified
+        (a constant set on the model between two calls of ``SMC.step``): the handler path takes
+        this step and the rest."""
+        if self._between is None:
+            return False
+        changed = stale(self._between)
+        if changed is not None:
+            self.give_up(
+                f"{changed} changed between steps, and a recording bakes in the Python values it read; "
+                "pass a value that changes as a tensor argument of step() instead"
+            )
+        return changed is not None
 
     # --- record, replay ----------------------------------------------------------------------------
     def _record(self, program, state, model_fn, guide_fn, inputs, settings, tensors, signature) -> Replayed | None:
@@ -293,11 +331,21 @@ class CompiledStep:
         def step_function(*values):
             return _run_step(program, keys, values[: len(tensors)], inputs, model_fn, guide_fn, settings, captured)
 
+        deep = _during(program, state, inputs)
         rng = rng_state()
         try:
             function, problem = _trace(step_function, tensors + extra + tuple(store[name] for name in params))
         except Exception as error:  # noqa: BLE001 - whatever stops the recording means: do not compile
             function, problem = None, f"the step could not be traced ({type(error).__name__}: {_first_line(error)})"
+        changed = _changes(deep, _during(program, None, None))
+        if changed is not None and "proposal" in captured:
+            # A side effect of the recorded run (a counter kept out of self's plain attributes,
+            # a write into the particles) cannot be rewound: that run, the program's own, is the
+            # step's result, so the effect happens once.
+            self.give_up(changed)
+            new = captured["state"]
+            state.replace(new)
+            return Replayed(dict(new), captured["terms"], captured["score"], captured["proposal"])
         if problem is None and not clean(captured["state"], captured["terms"]):
             # Recorded without validation: a NaN here is rerun on the handler path, which reports it.
             set_rng_state(rng)
@@ -316,6 +364,7 @@ class CompiledStep:
         self._recording = _Recording(
             function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, constants(program), int(captured["checks"]), {}
         )
+        self._between = _between(program, extra)
         state.replace(new)
         return Replayed(dict(new), terms, score_value, captured["proposal"])
 
@@ -481,11 +530,18 @@ def _listed(state: SMCState, layout) -> bool:
 
 def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None]:
     """``torch.jit.trace`` of ``function`` without Pyro's validation, and the first sign that the
-    recording would not generalise (a tensor read as a Python value), or ``None``."""
+    recording would not generalise (a tensor read as a Python value, a switch of autograd's
+    mode), or ``None``."""
+    watch = GradModeWatch()
     with warnings.catch_warnings(record=True) as caught, pyro.validation_enabled(False):
         warnings.simplefilter("always")
         ignore_jit_deprecation()
-        function = torch.jit.trace(function, flat, check_trace=False, strict=False)
+        with watch:
+            function = torch.jit.trace(function, flat, check_trace=False, strict=False)
+    if watch.switched:
+        # The recording would differentiate through what the program computed without
+        # gradients (or the reverse): a trace records operations, not the grad mode.
+        return None, "it switches autograd off or on inside the step (torch.no_grad(), torch.enable_grad(), inference mode)"
     for record in caught:
         if issubclass(record.category, torch.jit.TracerWarning):
             if "registered as constants" not in str(record.message):  # Pyro's scalar parameters: constants indeed
@@ -498,6 +554,35 @@ def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None
     except Exception as error:  # noqa: BLE001 - a simplification that fails leaves the recording as traced
         logger.info("SMC's recording is replayed as traced: its simplification failed (%s)", _first_line(error))
         return function, None
+
+
+def _during(program: StepProgram, state: SMCState | None, inputs: StepInputs | None) -> Snapshot:
+    """The Python state a step may change (:func:`~pyro_smc.infer.smc.python_state.snapshot`),
+    with the versions of the particles and tensor arguments handed to it (``state`` and
+    ``inputs``; ``None`` after the step, when the versions are read off the snapshot before)."""
+    extra: list[tuple[str, Tensor]] = []
+    if state is not None:
+        extra += [(f"state[{key!r}]", value) for key, value in state.items() if isinstance(value, Tensor)]
+    if inputs is not None:
+        extra += [(f"the step's argument {position}", value) for position, value in enumerate(inputs.args) if isinstance(value, Tensor)]
+        extra += [(f"the step's argument {key!r}", value) for key, value in inputs.kwargs.items() if isinstance(value, Tensor)]
+    return snapshot((program.model, program.guide), tuple(extra))
+
+
+def _between(program: StepProgram, inputs: tuple[Tensor, ...]) -> Snapshot:
+    """The Python state a recording bakes in, as compared from one step to the next: the
+    recording's tensor ``inputs`` (which may change) and the global random states (which code
+    between steps may draw from) left out."""
+    return snapshot((program.model, program.guide), inputs=frozenset(map(id, inputs)), rng=False)
+
+
+def _changes(before: Snapshot, after: Snapshot) -> str | None:
+    """What a step changed, as a reason not to compile it, or ``None``."""
+    changed = first_change(before, after)
+    if changed is None:
+        return None
+    hint = " (assign a new tensor instead)" if changed.endswith("written in place") else ""
+    return f"the step changes {changed}{hint}; a replayed step would not"
 
 
 def _name(fn: Callable | None) -> str | None:

@@ -164,7 +164,7 @@ def side_effect(before: tuple, program: StepProgram) -> str | None:
             if a is not b and not (isinstance(a, (bool, int, float, str)) and a == b):
                 return f"the step changes the {name}'s attribute self.{key}; a replayed step would not"
         if any(len(vars(owner).get(key, ())) != len(saved) for key, saved in containers.items()):
-            return f"the step adds to a list or dict attribute of the {name}; a replayed step would not"
+            return f"the step changes a list, dict or set attribute of the {name}; a replayed step would not"
     return None
 
 

@@ -257,7 +257,7 @@ class Logging(AR):
         self.seen.append(y)
 
 
-@pytest.mark.parametrize("model, expected", [(Counting, "self.t"), (Branching, "Python value"), (Logging, "list or dict")])
+@pytest.mark.parametrize("model, expected", [(Counting, "self.t"), (Branching, "Python value"), (Logging, "list, dict or set")])
 def test_fallback_is_named_and_changes_nothing(model, expected):
     plain, g_plain = _run(False, model=model(), num_particles=50)
     with pytest.warns(CompileFallbackWarning, match="handlers"):
