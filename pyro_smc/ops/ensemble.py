@@ -58,6 +58,7 @@ from pyro_smc.ops.labels import class_moments, separate_classes
 from pyro_smc.ops.sinkhorn import SinkhornResult, SinkhornSettings, check_unit_mass, implicit_adjoint, transport_plan
 from pyro_smc.ops.sinkhorn_kernel import flushing, row_products, zero_mass
 from pyro_smc.ops.sinkhorn_solver import solve_with_plan
+from pyro_smc.ops.sinkhorn_types import refuse_second_derivative
 from pyro_smc.ops.sinkhorn_unrolled import unrolled_solve
 
 __all__ = ["EnsembleResult", "ensemble_transform", "ensemble_solve"]
@@ -231,6 +232,7 @@ class _FusedEnsembleTransform(torch.autograd.Function):
     @staticmethod
     @flushing
     def backward(ctx, grad_x_new, *_not_differentiable):
+        refuse_second_derivative(f"OTResampler's transport (the ensemble transform) with gradient={'implicit' if ctx.exact else 'last_step'!r}")
         if grad_x_new is None:
             return None, None, None, None, None
         x, kernel, log_b, f, g, rows, x_new, classes = ctx.saved_tensors

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from pyro_smc.ops.sinkhorn_kernel import colsum, flushing, rowsum
 from pyro_smc.ops.sinkhorn_solver import solve_with_plan
-from pyro_smc.ops.sinkhorn_types import SinkhornConvergenceWarning, SinkhornResult, SinkhornSettings
+from pyro_smc.ops.sinkhorn_types import SinkhornConvergenceWarning, SinkhornResult, SinkhornSettings, refuse_second_derivative
 
 # implicit_adjoint is documented on (and re-exported by) pyro_smc.ops.sinkhorn; implicit_solve is
 # reached through pyro_smc.ops.sinkhorn.solve.
@@ -267,6 +267,7 @@ class _ImplicitSinkhorn(torch.autograd.Function):
     @staticmethod
     @flushing
     def backward(ctx, grad_f, grad_g, *_diagnostics):
+        refuse_second_derivative("the Sinkhorn solve with gradient='implicit'")
         kernel, half_a, half_b = ctx.saved_tensors
         eps = ctx.epsilon
         grad_f = torch.zeros_like(half_a) if grad_f is None else grad_f

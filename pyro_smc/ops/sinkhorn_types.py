@@ -24,9 +24,10 @@ import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
-# warn_unconverged is shared by the solver modules, not part of the API.
+# warn_unconverged and refuse_second_derivative are shared by the solver modules, not part of the API.
 __all__ = ["GRADIENT_MODES", "SinkhornSettings", "SinkhornConvergenceWarning", "SinkhornResult"]
 
 #: The ``gradient=`` modes of Sinkhorn: how a solve is differentiated (``"implicit"``,
@@ -188,4 +189,17 @@ def warn_unconverged(err: Tensor, threshold: float, max_iter: int, stacklevel: i
             "raise max_iter or epsilon",
             SinkhornConvergenceWarning,
             stacklevel=stacklevel,
+        )
+
+
+def refuse_second_derivative(what: str) -> None:
+    """Raises when a backward pass builds a graph (``create_graph=True``) through ``what``, an
+    operation whose backward solves the adjoint without a graph of its own (the saved plan and
+    kernel are constants to autograd, and the solve updates in place): its second derivative
+    would be wrong or fail on an in-place write deep inside."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} is differentiable once: a backward pass with create_graph=True through it (a second derivative, "
+            "a Hessian-vector product) is not supported; use gradient='unroll', which differentiates the iterations "
+            "themselves, for second derivatives"
         )

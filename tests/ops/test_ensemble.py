@@ -318,3 +318,24 @@ def test_a_small_problem_whose_conjugate_gradients_break_down_is_solved_densely(
     s = sqrt_b.unsqueeze(-1) / sqrt_b.norm(dim=-1)[:, None, None]
     matrix = torch.eye(m, dtype=torch.float64) - kernel.transpose(1, 2) @ kernel + s @ s.transpose(1, 2)
     assert torch.allclose(x, torch.linalg.solve(matrix, rhs.unsqueeze(-1)).squeeze(-1))
+
+
+@pytest.mark.parametrize("mode", ["implicit", "last_step", "unroll"])
+def test_a_second_derivative_is_refused_by_the_once_differentiable_modes_and_taken_by_unroll(mode):
+    """With ``create_graph=True`` the implicit and last-step backward passes raised a bare in-place
+    error at the second derivative (the solve updates in place, and its saved kernel is a
+    constant to autograd, so a Hessian would miss its dependence on the particles); they now say
+    so at once. ``"unroll"`` differentiates the iterations themselves: its second derivative
+    passes ``gradgradcheck``."""
+    x, log_w = _cloud(1, 4, d=1, seed=3, spread=1.0)
+    xr = x.clone().requires_grad_()
+    if mode != "unroll":
+        x_new, _ = ensemble_transform(xr, log_w, 0.4, threshold=1e-12, max_iter=20000, gradient=mode)
+        with pytest.raises(RuntimeError, match="differentiable once.*gradient='unroll'"):
+            torch.autograd.grad(x_new.square().sum(), xr, create_graph=True)
+        return
+
+    def fn(x):
+        return ensemble_transform(x, log_w, 0.4, threshold=1e-12, max_iter=20000, gradient="unroll")[0]
+
+    assert torch.autograd.gradgradcheck(fn, (xr,), atol=1e-5, rtol=1e-4)
