@@ -182,7 +182,9 @@ class LinearGaussianSSM(PyroModule):
         x = pyro.sample(f"x_{t}", prior)
         state["x"] = x
         self._t = t + 1
-        if y is not None and tuple(y.shape[-1:]) != tuple(self.C.shape[-2:-1]):
+        # Checked on the handler path; a compiled step's recording (whose shapes are traced values,
+        # and whose later steps have this step's shapes) skips it.
+        if y is not None and not torch.jit.is_tracing() and tuple(y.shape[-1:]) != tuple(self.C.shape[-2:-1]):
             raise ValueError(f"observation y_{t} has shape {tuple(y.shape)}, but the model observes vectors of size {self.C.shape[-2]}")
         mean = x @ self.C.transpose(-1, -2)
         if self._obs_sd is not None:

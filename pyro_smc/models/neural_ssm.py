@@ -162,7 +162,9 @@ class NeuralSSM(PyroModule):
         x = pyro.sample(f"x_{t}", prior)
         state["x"] = x
         self._t = t + 1
-        if y is not None and y.shape[-1:] != (self.obs_dim,):
+        # Checked on the handler path; a compiled step's recording (whose shapes are traced values,
+        # and whose later steps have this step's shapes) skips it.
+        if y is not None and not torch.jit.is_tracing() and y.shape[-1:] != (self.obs_dim,):
             raise ValueError(f"observation y_{t} has shape {tuple(y.shape)}, but the model observes vectors of size {self.obs_dim}")
         return pyro.sample(f"y_{t}", dist.Normal(self.observation_mean(x), self.observation_scale).to_event(1), obs=y)
 

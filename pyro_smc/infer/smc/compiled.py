@@ -21,6 +21,9 @@ A recording is only valid for a program that does the same thing at every step. 
   attributes, their contents, the closures and globals of their functions, tensors written in
   place, the global random states), since a replay skips the program's Python side effects and
   would freeze a counter kept anywhere there;
+* a step counter that only names sites (``self.t``, as ``pyro.infer.SMCFilter`` models keep) is
+  carried instead (:mod:`~pyro_smc.infer.smc.counters`): recorded behind a stand-in that refuses
+  any numeric use, and advanced by each replay;
 * before every replayed step, the Python values the verified recording read are still what they
   were (:func:`~pyro_smc.infer.smc.python_state.stale`): a constant set on the model between two
   calls of ``SMC.step`` sends the rest of the run to the handler path;
@@ -68,6 +71,7 @@ import torch
 from torch import Tensor
 
 from pyro_smc.infer.model_state import rng_state, set_rng_state
+from pyro_smc.infer.smc import counters as step_counters
 from pyro_smc.infer.smc.importance import centred_increment, log_weight_terms, score_terms
 from pyro_smc.infer.smc.python_state import GradModeWatch, Snapshot, first_change, snapshot, stale
 from pyro_smc.infer.smc.replay import execute, ignore_jit_deprecation, simplified
@@ -170,6 +174,9 @@ class CompiledStep:
         self._before: tuple | None = None
         self._deep: Snapshot | None = None  # the Python state before the step being checked
         self._between: Snapshot | None = None  # the Python state the verified recording bakes in
+        self._counters: step_counters.Counters = ()  # step counters the replays advance (counters.py)
+        self._counted_at: tuple = ()  # their values at the verifying step
+        self._rerecorded = False  # whether the recording was made again at a later step
         self._verified = False
 
     @property
@@ -223,8 +230,9 @@ class CompiledStep:
         if self._recording is None and (log_weights is not None or self._params is None):
             # An earlier run's recording: verified at this step if the program looks the same.
             earlier = _kept(program)
-            if earlier is not None and earlier.signature == signature and earlier.constants == constants(program):
+            if earlier is not None and earlier.signature == signature and earlier.constants == _constants(program, earlier.counters):
                 self._recording, self._params, self._before = earlier, earlier.params, attribute_snapshot(program)
+                self._counters = earlier.counters
         if self._params is None:
             # The first regular step runs on the handlers; observe() reads what it changed.
             self._before, self._deep = attribute_snapshot(program), _during(program, state, inputs)
@@ -238,20 +246,26 @@ class CompiledStep:
             return self._record(program, state, model_fn, guide_fn, inputs, (detach, score, threshold, _listed(state, program.layout)), tensors, signature)
         extra = module_tensors(program)
         if recording.signature != signature or shapes(extra) != recording.extra:
-            return None
+            if self._verified or recording.runs > 0 or self._rerecorded:
+                return None
+            # Recorded where the particles did not yet require grad (drawn from a prior without
+            # parameters) and these do: recorded again, once, at this step.
+            self._rerecorded, self._recording = True, None
+            return self._record(program, state, model_fn, guide_fn, inputs, (detach, score, threshold, _listed(state, program.layout)), tensors, signature)
         if not self._verified:
             if self._changed_between_steps():
                 return None
             # What the handler path changes at this step is read against the program as it is now
             # (a tensor attribute replaced since the recording is an input, not a side effect).
             self._before, self._deep = attribute_snapshot(program), _during(program, state, inputs)
+            self._counted_at = step_counters.values(_owners(program), self._counters)
             rng = rng_state()
             self._pending = self._call(recording, tensors + extra)
             set_rng_state(rng)
             return None
         if self._changed_between_steps():
             return None
-        return self._replay(recording, state, tensors + extra)
+        return self._replay(program, recording, state, tensors + extra)
 
     def observe(self, program: StepProgram, proposal: Proposal, state: SMCState, terms: list[tuple[str, Tensor]]) -> None:
         """Reads a regular step the handler path took: the parameters it read (the first such
@@ -262,20 +276,33 @@ class CompiledStep:
             names = param_sites(proposal.model_trace) + ([] if proposal.guide_trace is None else param_sites(proposal.guide_trace))
             self._params = tuple(dict.fromkeys(names))
             # A step that changes the program's attributes is given up on before any recording
-            # runs it a second time.
-            problem = side_effect(self._before, program) if self._before is not None else None
-            if problem is None and self._deep is not None:
-                problem = _changes(self._deep, _during(program, None, None))
+            # runs it a second time; a step counter it advanced by one is carried instead.
+            if self._before is not None:
+                self._counters = step_counters.counters_of(_owners(program), self._before)
+            with step_counters.held_back(_owners(program), self._counters):
+                problem = side_effect(self._before, program) if self._before is not None else None
+                if problem is None and self._deep is not None:
+                    problem = _changes(self._deep, _during(program, None, None))
             if problem is not None:
                 self.give_up(problem)
             return
         if self._pending is None:
             return
         replayed, self._pending = self._pending, None
-        changed = side_effect(self._before, program) if self._before is not None else None
-        if changed is None and self._deep is not None:
-            changed = _changes(self._deep, _during(program, None, None))
-        problem = changed or disagreement(self._recording.sites, replayed[0].state, replayed[0].terms, sites(proposal), dict(state), terms)
+        with step_counters.held_back(_owners(program), self._counters):
+            changed = side_effect(self._before, program) if self._before is not None else None
+            if changed is None and self._deep is not None:
+                changed = _changes(self._deep, _during(program, None, None))
+        # Site names that carry a step counter differ by its value: compared with it masked.
+        recorded, now = self._recording.counted, self._counted_at
+        problem = changed or disagreement(
+            _renamed_sites(self._recording.sites, recorded),
+            replayed[0].state,
+            [(step_counters.renamed(name, recorded), term) for name, term in replayed[0].terms],
+            _renamed_sites(sites(proposal), now),
+            dict(state),
+            [(step_counters.renamed(name, now), term) for name, term in terms],
+        )
         if problem is not None and self._recording.runs > 0:
             # An earlier run's recording no longer fits (a constant the program reads changed):
             # this run records afresh, from its next regular step.
@@ -286,7 +313,7 @@ class CompiledStep:
         else:
             self._verified = True
             self._recording = self._recording._replace(runs=self._recording.runs + 1)
-            self._between = _between(program, module_tensors(program))
+            self._between = _between(program, module_tensors(program), self._counters)
             _keep(program, self._recording)
 
     def loop_inputs(self, program: StepProgram, state: SMCState, log_weights: Tensor, threshold: float, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, detach: bool, score: bool):
@@ -332,12 +359,22 @@ class CompiledStep:
             return _run_step(program, keys, values[: len(tensors)], inputs, model_fn, guide_fn, settings, captured)
 
         deep = _during(program, state, inputs)
+        owners, counters = _owners(program), self._counters
+        counted = step_counters.values(owners, counters)
         rng = rng_state()
-        try:
-            function, problem = _trace(step_function, tensors + extra + tuple(store[name] for name in params))
-        except Exception as error:  # noqa: BLE001 - whatever stops the recording means: do not compile
-            function, problem = None, f"the step could not be traced ({type(error).__name__}: {_first_line(error)})"
-        changed = _changes(deep, _during(program, None, None))
+        with step_counters.probed(owners, counters) as probe:
+            try:
+                function, problem = _trace(step_function, tensors + extra + tuple(store[name] for name in params))
+            except step_counters.CounterUsed as error:
+                function, problem = None, f"{error} (a recording would freeze it)"
+            except Exception as error:  # noqa: BLE001 - whatever stops the recording means: do not compile
+                function, problem = None, f"the step could not be traced ({type(error).__name__}: {_first_line(error)})"
+        counter_problems = probe.problems
+        problem = problem or (counter_problems[0] if counter_problems else None)
+        if problem is None and counters and "proposal" in captured:
+            problem = step_counters.named_beyond_sites(probe, _site_and_param_names(captured["proposal"]), counted)
+        with step_counters.held_back(owners, () if counter_problems else counters):
+            changed = _changes(deep, _during(program, None, None))
         if changed is not None and "proposal" in captured:
             # A side effect of the recorded run (a counter kept out of self's plain attributes,
             # a write into the particles) cannot be rewound: that run, the program's own, is the
@@ -347,11 +384,14 @@ class CompiledStep:
             state.replace(new)
             return Replayed(dict(new), captured["terms"], captured["score"], captured["proposal"])
         if problem is None and not clean(captured["state"], captured["terms"]):
-            # Recorded without validation: a NaN here is rerun on the handler path, which reports it.
+            # Recorded without validation: a NaN here is rerun on the handler path, which reports it
+            # (with the program's attributes, its step counters among them, as before the step).
             set_rng_state(rng)
+            restore(before, program)
             return None
         if problem is None:
-            problem = side_effect(before, program)
+            with step_counters.held_back(owners, counters):
+                problem = side_effect(before, program)
         if problem is not None:
             # Rewound: the handler path takes this step as if nothing had been tried.
             set_rng_state(rng)
@@ -362,13 +402,14 @@ class CompiledStep:
         names = tuple(name for name, _ in terms)
         recorded = sites(captured["proposal"])
         self._recording = _Recording(
-            function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, constants(program), int(captured["checks"]), {}
+            function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, _constants(program, counters), int(captured["checks"]), {},
+            counters=counters, counted=counted,
         )
-        self._between = _between(program, extra)
+        self._between = _between(program, extra, counters)
         state.replace(new)
         return Replayed(dict(new), terms, score_value, captured["proposal"])
 
-    def _replay(self, recording: _Recording, state: SMCState, tensors: tuple) -> Replayed | None:
+    def _replay(self, program: StepProgram, recording: _Recording, state: SMCState, tensors: tuple) -> Replayed | None:
         rng = rng_state()
         replayed, total = self._call(recording, tensors)
         if not math.isfinite(total):
@@ -377,7 +418,13 @@ class CompiledStep:
             return None
         state.replace(replayed.state)
         self.compiled_steps += 1
+        step_counters.advance(_owners(program), self._counters, 1)
         return replayed
+
+    def advance_counters(self, program: StepProgram, steps: int) -> None:
+        """Advances the program's step counters (:mod:`~pyro_smc.infer.smc.counters`) by the
+        ``steps`` the compiled loop replayed."""
+        step_counters.advance(_owners(program), self._counters, steps)
 
     def _call(self, recording: _Recording, tensors: tuple) -> tuple[Replayed, float]:
         """Calls the recording on ``tensors`` (the step's, then the model's and guide's own) and
@@ -413,6 +460,8 @@ class _Recording(NamedTuple):
     checks: int = 1  # the status's leading check values (summed on the host)
     executors: dict | None = None  # replay.execute's calls and static-runtime module
     runs: int = 0  # the runs that verified it before this one
+    counters: tuple = ()  # the step counters it names sites by (counters.py), advanced by each replay
+    counted: tuple = ()  # their values when it was recorded
 
 
 # Verified recordings by model (and guide), so that a new SMC of the same program (SMCELBO builds
@@ -569,11 +618,40 @@ def _during(program: StepProgram, state: SMCState | None, inputs: StepInputs | N
     return snapshot((program.model, program.guide), tuple(extra))
 
 
-def _between(program: StepProgram, inputs: tuple[Tensor, ...]) -> Snapshot:
+def _between(program: StepProgram, inputs: tuple[Tensor, ...], counters: step_counters.Counters) -> Snapshot:
     """The Python state a recording bakes in, as compared from one step to the next: the
-    recording's tensor ``inputs`` (which may change) and the global random states (which code
-    between steps may draw from) left out."""
-    return snapshot((program.model, program.guide), inputs=frozenset(map(id, inputs)), rng=False)
+    recording's tensor ``inputs`` (which may change), the global random states (which code
+    between steps may draw from) and the step ``counters`` (which the replays advance) left out."""
+    taken = snapshot(_owners(program), inputs=frozenset(map(id, inputs)), rng=False)
+    skip = step_counters.paths(counters)
+    if not skip:
+        return taken
+    leaves = {path: key for path, key in taken.leaves.items() if path not in skip}
+    return taken._replace(leaves=leaves, checks=[check for check in taken.checks if check[0] not in skip])
+
+
+def _owners(program: StepProgram) -> tuple[Any, Any]:
+    return program.model, program.guide
+
+
+def _constants(program: StepProgram, counters: step_counters.Counters) -> tuple:
+    """:func:`~pyro_smc.infer.smc.static_checks.constants` without the step ``counters``, whose
+    values differ from run to run and step to step."""
+    found = constants(program)
+    names = [{key for index, key in counters if index == owner} for owner in (0, 1)]
+    return tuple(tuple(item for item in attributes if item[0] not in skip) for attributes, skip in zip(found[:2], names)) + found[2:]
+
+
+def _site_and_param_names(proposal: Proposal) -> list[str]:
+    traces = [proposal.model_trace] + ([] if proposal.guide_trace is None else [proposal.guide_trace])
+    return [name for trace in traces for name, site in trace.nodes.items() if site["type"] in ("sample", "param")]
+
+
+def _renamed_sites(recorded: tuple, counted: tuple) -> tuple:
+    """:func:`~pyro_smc.infer.smc.static_checks.sites` with the counters' values masked in the names."""
+    if not counted:
+        return recorded
+    return tuple((step_counters.renamed(name, counted), *rest) for name, *rest in recorded)
 
 
 def _changes(before: Snapshot, after: Snapshot) -> str | None:

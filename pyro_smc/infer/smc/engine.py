@@ -371,6 +371,7 @@ class SMC:
             scheme,
         )
         done = run_replayed(self, plan, [entry.y for entry in schedule[start:]])
+        self._compiled.advance_counters(self._program, done)
         self._t += done
         return done
 

@@ -343,20 +343,22 @@ class GradModeWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not self.switched and (torch.is_grad_enabled() != self.grad_enabled or torch.is_inference_mode_enabled()):
-            self.switched = not _inside_distribution_sample()
+            self.switched = not _called_by_library()
         return func(*args, **(kwargs or {}))
 
 
-def _inside_distribution_sample() -> bool:
-    """Whether the innermost caller outside torch and Pyro is a distribution's code: torch's
-    ``Distribution.sample`` draws under ``torch.no_grad()``, which is no change to the program's
-    gradients (the draws of a distribution without ``rsample`` carry none either way)."""
+# torch's wrappers between a caller and the operation it calls (Tensor's Python dunders).
+_WRAPPERS = ("torch._tensor", "torch.overrides", "torch.utils._python_dispatch")
+
+
+def _called_by_library() -> bool:
+    """Whether the operation was called by torch's or Pyro's own code: ``Distribution.sample``
+    draws under ``torch.no_grad()``, ``torch.broadcast_shapes`` computes under it, and neither is a
+    switch of the program's gradients (a draw of a distribution without ``rsample`` carries none
+    either way). An operation the program itself calls under ``no_grad`` is one."""
     frame = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(("torch.distributions", "pyro.distributions")):
-            return True
-        if not module.startswith(("torch", "pyro.")):
-            return False
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_WRAPPERS):
         frame = frame.f_back
-    return False
+    module = "" if frame is None else frame.f_globals.get("__name__", "")
+    return module.split(".")[0] in ("torch", "pyro")
+

@@ -286,8 +286,29 @@ def test_options_are_checked():
         SMC(_ssm(), num_particles=10, auxiliary=True, resampler=SystematicResampler(gradient="marginal_stop_gradient"))
 
 
-def test_compile_true_falls_back_with_a_warning_for_a_stateful_model():
-    ssm = _ssm()
-    with pytest.warns(CompileFallbackWarning):
-        smc = SMC(ssm, num_particles=10, auxiliary=True, compile=True).run(_data(ssm, 4))
+def test_compile_true_falls_back_with_a_warning_for_a_model_that_reads_its_counter_as_a_number():
+    class Numbered(LookAheadLGSSM):
+        def step(self, state, y=None):
+            if self._t > 10**6:  # the counter read as a number: a recording would freeze it
+                raise RuntimeError("too long")
+            return super().step(state, y)
+
+    ssm = _ssm(Numbered)
+    with pytest.warns(CompileFallbackWarning, match="self._t is read as a number"):
+        smc = SMC(ssm, num_particles=10, auxiliary=True, compile=True).run(_data(ssm, 6))
     assert smc.compile_status is not None
+
+
+def test_a_model_that_names_its_sites_by_a_step_counter_is_compiled_with_its_look_ahead():
+    """``LinearGaussianSSM`` names its sites ``x_{t}`` by ``self._t``: each replayed step advances
+    the counter itself, with the same numbers as the handler path."""
+    runs = []
+    for compile in (False, None):
+        ssm = _ssm()
+        ys = _data(ssm, 12)
+        torch.manual_seed(3)
+        runs.append(SMC(ssm, num_particles=32, num_filters=2, auxiliary=True, compile=compile).run(ys))
+    plain, fast = runs
+    assert fast.compile_status is None and fast._compiled.compiled_steps > 0
+    assert torch.allclose(fast.log_evidence, plain.log_evidence, rtol=0, atol=1e-12)
+    assert fast.model._t == plain.model._t == 12

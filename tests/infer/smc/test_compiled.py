@@ -231,13 +231,46 @@ def test_compiled_float32_and_the_kalman_answer():
 
 
 class Counting(AR):
+    """A step counter read as a number (not only to name sites): a recording would freeze it."""
+
     def init(self, state):
         super().init(state)
         self.t = 0
 
     def step(self, state, y):
-        super().step(state, y)
+        state["x"] = pyro.sample(f"x_{self.t}", dist.Normal(self.theta * state["x"] + (0.1 if self.t >= 20 else 0.0), 1.0))
+        pyro.sample(f"y_{self.t}", dist.Normal(state["x"], 0.5), obs=y)
         self.t += 1
+
+
+class Naming(AR):
+    """A step counter that only names the sites, as ``pyro.infer.SMCFilter`` models keep one."""
+
+    def init(self, state):
+        super().init(state)
+        self.t = 0
+
+    def step(self, state, y):
+        state["x"] = pyro.sample(f"x_{self.t}", dist.Normal(self.theta * state["x"], 1.0))
+        pyro.sample(f"y_{self.t}", dist.Normal(state["x"], 0.5), obs=y)
+        self.t += 1
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "step-by-step"])
+def test_a_counter_that_names_sites_is_advanced_by_the_replays(loop, monkeypatch):
+    if not loop:
+        monkeypatch.setattr(engine_module.SMC, "_replay_rest", lambda *a: 0)
+    plain, g_plain = _run(False, model=Naming(), num_particles=50, num_filters=2)
+    fast, g_fast = _run(True, model=Naming(), num_particles=50, num_filters=2)
+    assert fast.compile_status is None
+    if not loop:
+        assert fast._compiled.compiled_steps == T - 3
+    _assert_same(fast, plain, g_fast, g_plain)
+    assert fast.model.t == plain.model.t == T
+    # A kept recording serves the next run of the same model, its counter reset by init().
+    again, g_again = _run(None, model=fast.model, num_particles=50, num_filters=2)
+    _assert_same(again, plain, g_again, g_plain)
+    assert again.compile_status is None and again.model.t == T
 
 
 class Branching(AR):
@@ -257,7 +290,7 @@ class Logging(AR):
         self.seen.append(y)
 
 
-@pytest.mark.parametrize("model, expected", [(Counting, "self.t"), (Branching, "Python value"), (Logging, "list, dict or set")])
+@pytest.mark.parametrize("model, expected", [(Counting, "self.t is read as a number"), (Branching, "Python value"), (Logging, "list, dict or set")])
 def test_fallback_is_named_and_changes_nothing(model, expected):
     plain, g_plain = _run(False, model=model(), num_particles=50)
     with pytest.warns(CompileFallbackWarning, match="handlers"):
@@ -571,3 +604,44 @@ def test_recording_and_replaying_raise_no_torch_jit_deprecation(monkeypatch):
         warnings.simplefilter("error", DeprecationWarning)
         smc, _ = _run(None, model=AR(), num_particles=50, num_filters=2)
     assert smc._compiled.reason is None and smc._compiled.compiled_steps > 0 and bool(smc.resampled.any())
+
+
+class KeyedData(AR):
+    """Observations held by the model and looked up by a key made from the step counter."""
+
+    def __init__(self, ys, shared_name=False):
+        super().__init__()
+        self.data = {f"y_{t}": y for t, y in enumerate(ys)}
+        self.shared_name = shared_name
+
+    def init(self, state):
+        super().init(state)
+        self.t = 0
+
+    def step(self, state):
+        state["x"] = pyro.sample(f"x_{self.t}", dist.Normal(self.theta * state["x"], 1.0))
+        if self.shared_name:  # one string, the site's name and the key
+            name = f"y_{self.t}"
+            pyro.sample(name, dist.Normal(state["x"], 0.5), obs=self.data[name])
+        else:
+            pyro.sample(f"y_{self.t}", dist.Normal(state["x"], 0.5), obs=self.data[f"y_{self.t}"])
+        self.t += 1
+
+
+@pytest.mark.parametrize("shared_name", [False, True], ids=["two-strings", "one-string"])
+def test_a_counter_formatted_into_a_data_key_is_not_frozen(shared_name):
+    """A key made from the counter is caught when the recording is made (more strings formatted
+    than names carry the counter) or, made once and used both as a site name and a key, by the
+    verifying step (the next step's data differ)."""
+    ys = _data()
+    runs = {}
+    for compile in (False, None):
+        pyro.clear_param_store()
+        torch.manual_seed(1)
+        smc = SMC(KeyedData(ys, shared_name), num_particles=50, compile=compile).init()
+        for _ in range(T):
+            smc.step()
+        runs[compile] = smc
+    assert torch.equal(runs[None].log_evidence, runs[False].log_evidence)
+    expected = "the replayed" if shared_name else "formats its step counter into a string that is not a site name"
+    assert expected in runs[None].compile_status
