@@ -73,21 +73,27 @@ from torch import Tensor
 from pyro_smc.infer.model_state import rng_state, set_rng_state
 from pyro_smc.infer.smc import counters as step_counters
 from pyro_smc.infer.smc.importance import centred_increment, log_weight_terms, score_terms
-from pyro_smc.infer.smc.python_state import GradModeWatch, Snapshot, first_change, snapshot, stale
+from pyro_smc.infer.smc.python_state import GradModeWatch, Snapshot, stale
 from pyro_smc.infer.smc.replay import execute, ignore_jit_deprecation, simplified
 from pyro_smc.infer.smc.state import SMCState
 from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram, moments
 from pyro_smc.infer.smc.static_checks import (
     attribute_snapshot,
     clean,
-    constants,
     disagreement,
     flatten,
+    between_snapshot,
+    changes,
+    counted_constants,
     module_tensors,
+    owners,
+    renamed_sites,
     restore,
     shapes,
     side_effect,
+    site_and_param_names,
     sites,
+    step_snapshot,
     structure,
     unflatten,
 )
@@ -230,12 +236,12 @@ class CompiledStep:
         if self._recording is None and (log_weights is not None or self._params is None):
             # An earlier run's recording: verified at this step if the program looks the same.
             earlier = _kept(program)
-            if earlier is not None and earlier.signature == signature and earlier.constants == _constants(program, earlier.counters):
+            if earlier is not None and earlier.signature == signature and earlier.constants == counted_constants(program, earlier.counters):
                 self._recording, self._params, self._before = earlier, earlier.params, attribute_snapshot(program)
                 self._counters = earlier.counters
         if self._params is None:
             # The first regular step runs on the handlers; observe() reads what it changed.
-            self._before, self._deep = attribute_snapshot(program), _during(program, state, inputs)
+            self._before, self._deep = attribute_snapshot(program), step_snapshot(program, state, inputs)
             if self._deep.problem is not None:
                 self.give_up(self._deep.problem)
             return None
@@ -257,8 +263,8 @@ class CompiledStep:
                 return None
             # What the handler path changes at this step is read against the program as it is now
             # (a tensor attribute replaced since the recording is an input, not a side effect).
-            self._before, self._deep = attribute_snapshot(program), _during(program, state, inputs)
-            self._counted_at = step_counters.values(_owners(program), self._counters)
+            self._before, self._deep = attribute_snapshot(program), step_snapshot(program, state, inputs)
+            self._counted_at = step_counters.values(owners(program), self._counters)
             rng = rng_state()
             self._pending = self._call(recording, tensors + extra)
             set_rng_state(rng)
@@ -278,28 +284,28 @@ class CompiledStep:
             # A step that changes the program's attributes is given up on before any recording
             # runs it a second time; a step counter it advanced by one is carried instead.
             if self._before is not None:
-                self._counters = step_counters.counters_of(_owners(program), self._before)
-            with step_counters.held_back(_owners(program), self._counters):
+                self._counters = step_counters.counters_of(owners(program), self._before)
+            with step_counters.held_back(owners(program), self._counters):
                 problem = side_effect(self._before, program) if self._before is not None else None
                 if problem is None and self._deep is not None:
-                    problem = _changes(self._deep, _during(program, None, None))
+                    problem = changes(self._deep, step_snapshot(program, None, None))
             if problem is not None:
                 self.give_up(problem)
             return
         if self._pending is None:
             return
         replayed, self._pending = self._pending, None
-        with step_counters.held_back(_owners(program), self._counters):
+        with step_counters.held_back(owners(program), self._counters):
             changed = side_effect(self._before, program) if self._before is not None else None
             if changed is None and self._deep is not None:
-                changed = _changes(self._deep, _during(program, None, None))
+                changed = changes(self._deep, step_snapshot(program, None, None))
         # Site names that carry a step counter differ by its value: compared with it masked.
         recorded, now = self._recording.counted, self._counted_at
         problem = changed or disagreement(
-            _renamed_sites(self._recording.sites, recorded),
+            renamed_sites(self._recording.sites, recorded),
             replayed[0].state,
             [(step_counters.renamed(name, recorded), term) for name, term in replayed[0].terms],
-            _renamed_sites(sites(proposal), now),
+            renamed_sites(sites(proposal), now),
             dict(state),
             [(step_counters.renamed(name, now), term) for name, term in terms],
         )
@@ -313,7 +319,7 @@ class CompiledStep:
         else:
             self._verified = True
             self._recording = self._recording._replace(runs=self._recording.runs + 1)
-            self._between = _between(program, module_tensors(program), self._counters)
+            self._between = between_snapshot(program, module_tensors(program), self._counters)
             _keep(program, self._recording)
 
     def loop_inputs(self, program: StepProgram, state: SMCState, log_weights: Tensor, threshold: float, model_fn: Callable, guide_fn: Callable | None, inputs: StepInputs, detach: bool, score: bool):
@@ -358,11 +364,11 @@ class CompiledStep:
         def step_function(*values):
             return _run_step(program, keys, values[: len(tensors)], inputs, model_fn, guide_fn, settings, captured)
 
-        deep = _during(program, state, inputs)
-        owners, counters = _owners(program), self._counters
-        counted = step_counters.values(owners, counters)
+        deep = step_snapshot(program, state, inputs)
+        pair, counters = owners(program), self._counters
+        counted = step_counters.values(pair, counters)
         rng = rng_state()
-        with step_counters.probed(owners, counters) as probe:
+        with step_counters.probed(pair, counters) as probe:
             try:
                 function, problem = _trace(step_function, tensors + extra + tuple(store[name] for name in params))
             except step_counters.CounterUsed as error:
@@ -372,9 +378,9 @@ class CompiledStep:
         counter_problems = probe.problems
         problem = problem or (counter_problems[0] if counter_problems else None)
         if problem is None and counters and "proposal" in captured:
-            problem = step_counters.named_beyond_sites(probe, _site_and_param_names(captured["proposal"]), counted)
-        with step_counters.held_back(owners, () if counter_problems else counters):
-            changed = _changes(deep, _during(program, None, None))
+            problem = step_counters.named_beyond_sites(probe, site_and_param_names(captured["proposal"]), counted)
+        with step_counters.held_back(pair, () if counter_problems else counters):
+            changed = changes(deep, step_snapshot(program, None, None))
         if changed is not None and "proposal" in captured:
             # A side effect of the recorded run (a counter kept out of self's plain attributes,
             # a write into the particles) cannot be rewound: that run, the program's own, is the
@@ -390,7 +396,7 @@ class CompiledStep:
             restore(before, program)
             return None
         if problem is None:
-            with step_counters.held_back(owners, counters):
+            with step_counters.held_back(pair, counters):
                 problem = side_effect(before, program)
         if problem is not None:
             # Rewound: the handler path takes this step as if nothing had been tried.
@@ -402,10 +408,10 @@ class CompiledStep:
         names = tuple(name for name, _ in terms)
         recorded = sites(captured["proposal"])
         self._recording = _Recording(
-            function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, _constants(program, counters), int(captured["checks"]), {},
+            function, signature, tuple(new), names, score_value is not None, params, shapes(extra), recorded, counted_constants(program, counters), int(captured["checks"]), {},
             counters=counters, counted=counted,
         )
-        self._between = _between(program, extra, counters)
+        self._between = between_snapshot(program, extra, counters)
         state.replace(new)
         return Replayed(dict(new), terms, score_value, captured["proposal"])
 
@@ -418,13 +424,13 @@ class CompiledStep:
             return None
         state.replace(replayed.state)
         self.compiled_steps += 1
-        step_counters.advance(_owners(program), self._counters, 1)
+        step_counters.advance(owners(program), self._counters, 1)
         return replayed
 
     def advance_counters(self, program: StepProgram, steps: int) -> None:
         """Advances the program's step counters (:mod:`~pyro_smc.infer.smc.counters`) by the
         ``steps`` the compiled loop replayed."""
-        step_counters.advance(_owners(program), self._counters, steps)
+        step_counters.advance(owners(program), self._counters, steps)
 
     def _call(self, recording: _Recording, tensors: tuple) -> tuple[Replayed, float]:
         """Calls the recording on ``tensors`` (the step's, then the model's and guide's own) and
@@ -603,64 +609,6 @@ def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None
     except Exception as error:  # noqa: BLE001 - a simplification that fails leaves the recording as traced
         logger.info("SMC's recording is replayed as traced: its simplification failed (%s)", _first_line(error))
         return function, None
-
-
-def _during(program: StepProgram, state: SMCState | None, inputs: StepInputs | None) -> Snapshot:
-    """The Python state a step may change (:func:`~pyro_smc.infer.smc.python_state.snapshot`),
-    with the versions of the particles and tensor arguments handed to it (``state`` and
-    ``inputs``; ``None`` after the step, when the versions are read off the snapshot before)."""
-    extra: list[tuple[str, Tensor]] = []
-    if state is not None:
-        extra += [(f"state[{key!r}]", value) for key, value in state.items() if isinstance(value, Tensor)]
-    if inputs is not None:
-        extra += [(f"the step's argument {position}", value) for position, value in enumerate(inputs.args) if isinstance(value, Tensor)]
-        extra += [(f"the step's argument {key!r}", value) for key, value in inputs.kwargs.items() if isinstance(value, Tensor)]
-    return snapshot((program.model, program.guide), tuple(extra))
-
-
-def _between(program: StepProgram, inputs: tuple[Tensor, ...], counters: step_counters.Counters) -> Snapshot:
-    """The Python state a recording bakes in, as compared from one step to the next: the
-    recording's tensor ``inputs`` (which may change), the global random states (which code
-    between steps may draw from) and the step ``counters`` (which the replays advance) left out."""
-    taken = snapshot(_owners(program), inputs=frozenset(map(id, inputs)), rng=False)
-    skip = step_counters.paths(counters)
-    if not skip:
-        return taken
-    leaves = {path: key for path, key in taken.leaves.items() if path not in skip}
-    return taken._replace(leaves=leaves, checks=[check for check in taken.checks if check[0] not in skip])
-
-
-def _owners(program: StepProgram) -> tuple[Any, Any]:
-    return program.model, program.guide
-
-
-def _constants(program: StepProgram, counters: step_counters.Counters) -> tuple:
-    """:func:`~pyro_smc.infer.smc.static_checks.constants` without the step ``counters``, whose
-    values differ from run to run and step to step."""
-    found = constants(program)
-    names = [{key for index, key in counters if index == owner} for owner in (0, 1)]
-    return tuple(tuple(item for item in attributes if item[0] not in skip) for attributes, skip in zip(found[:2], names)) + found[2:]
-
-
-def _site_and_param_names(proposal: Proposal) -> list[str]:
-    traces = [proposal.model_trace] + ([] if proposal.guide_trace is None else [proposal.guide_trace])
-    return [name for trace in traces for name, site in trace.nodes.items() if site["type"] in ("sample", "param")]
-
-
-def _renamed_sites(recorded: tuple, counted: tuple) -> tuple:
-    """:func:`~pyro_smc.infer.smc.static_checks.sites` with the counters' values masked in the names."""
-    if not counted:
-        return recorded
-    return tuple((step_counters.renamed(name, counted), *rest) for name, *rest in recorded)
-
-
-def _changes(before: Snapshot, after: Snapshot) -> str | None:
-    """What a step changed, as a reason not to compile it, or ``None``."""
-    changed = first_change(before, after)
-    if changed is None:
-        return None
-    hint = " (assign a new tensor instead)" if changed.endswith("written in place") else ""
-    return f"the step changes {changed}{hint}; a replayed step would not"
 
 
 def _name(fn: Callable | None) -> str | None:

@@ -8,25 +8,36 @@ none records or replays anything.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyro
 import torch
 from torch import Tensor
 
 from pyro_smc.infer.model_state import plain_attributes, restore_attributes
+from pyro_smc.infer.smc import counters as step_counters
+from pyro_smc.infer.smc.python_state import Snapshot, first_change, snapshot
 from pyro_smc.infer.smc.state import SMCState
 from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram
 
 __all__ = [
     "attribute_snapshot",
+    "between_snapshot",
+    "changes",
     "clean",
     "constants",
+    "counted_constants",
     "disagreement",
     "flatten",
     "module_tensors",
+    "owners",
+    "renamed_sites",
     "restore",
     "shapes",
     "side_effect",
+    "site_and_param_names",
     "sites",
+    "step_snapshot",
     "structure",
     "unflatten",
 ]
@@ -189,3 +200,63 @@ def clean(state: dict[str, Tensor], terms: list[tuple[str, Tensor]]) -> bool:
     flags = [torch.isnan(value).any() for value in list(state.values()) + [term for _, term in terms] if value.is_floating_point()]
     # One device read for the whole step, not one per tensor.
     return not flags or not bool(torch.stack(flags).any())
+
+
+def step_snapshot(program: StepProgram, state: SMCState | None, inputs: StepInputs | None) -> Snapshot:
+    """The Python state a step may change (:func:`~pyro_smc.infer.smc.python_state.snapshot`),
+    with the versions of the particles and tensor arguments handed to it (``state`` and
+    ``inputs``; ``None`` after the step, when the versions are read off the snapshot before)."""
+    extra: list[tuple[str, Tensor]] = []
+    if state is not None:
+        extra += [(f"state[{key!r}]", value) for key, value in state.items() if isinstance(value, Tensor)]
+    if inputs is not None:
+        extra += [(f"the step's argument {position}", value) for position, value in enumerate(inputs.args) if isinstance(value, Tensor)]
+        extra += [(f"the step's argument {key!r}", value) for key, value in inputs.kwargs.items() if isinstance(value, Tensor)]
+    return snapshot((program.model, program.guide), tuple(extra))
+
+
+def between_snapshot(program: StepProgram, inputs: tuple[Tensor, ...], counters: step_counters.Counters) -> Snapshot:
+    """The Python state a recording bakes in, as compared from one step to the next: the
+    recording's tensor ``inputs`` (which may change), the global random states (which code
+    between steps may draw from) and the step ``counters`` (which the replays advance) left out."""
+    taken = snapshot(owners(program), inputs=frozenset(map(id, inputs)), rng=False)
+    skip = step_counters.paths(counters)
+    if not skip:
+        return taken
+    leaves = {path: key for path, key in taken.leaves.items() if path not in skip}
+    return taken._replace(leaves=leaves, checks=[check for check in taken.checks if check[0] not in skip])
+
+
+def owners(program: StepProgram) -> tuple[Any, Any]:
+    """``(model, guide)``."""
+    return program.model, program.guide
+
+
+def counted_constants(program: StepProgram, counters: step_counters.Counters) -> tuple:
+    """:func:`constants` without the step ``counters``, whose
+    values differ from run to run and step to step."""
+    found = constants(program)
+    names = [{key for index, key in counters if index == owner} for owner in (0, 1)]
+    return tuple(tuple(item for item in attributes if item[0] not in skip) for attributes, skip in zip(found[:2], names)) + found[2:]
+
+
+def site_and_param_names(proposal: Proposal) -> list[str]:
+    """The names of a step's sample and param sites, model and guide."""
+    traces = [proposal.model_trace] + ([] if proposal.guide_trace is None else [proposal.guide_trace])
+    return [name for trace in traces for name, site in trace.nodes.items() if site["type"] in ("sample", "param")]
+
+
+def renamed_sites(recorded: tuple, counted: tuple) -> tuple:
+    """:func:`sites` with the counters' values masked in the names."""
+    if not counted:
+        return recorded
+    return tuple((step_counters.renamed(name, counted), *rest) for name, *rest in recorded)
+
+
+def changes(before: Snapshot, after: Snapshot) -> str | None:
+    """What a step changed, as a reason not to compile it, or ``None``."""
+    changed = first_change(before, after)
+    if changed is None:
+        return None
+    hint = " (assign a new tensor instead)" if changed.endswith("written in place") else ""
+    return f"the step changes {changed}{hint}; a replayed step would not"
