@@ -299,7 +299,12 @@ class _Walker:
                 self.walk(item, f"{path}.{key}", depth + 1, _attribute(value, key))
 
     def _function(self, fn: types.FunctionType, path: str, depth: int) -> None:
-        """A function's closure variables and the globals its code names (recursively)."""
+        """A function's closure variables and the globals its code names (recursively), and
+        those of the function a decorator wraps (``functools.wraps``, Pyro's ``pyro_method``)."""
+        wrapped = getattr(fn, "__wrapped__", None)
+        if isinstance(wrapped, types.FunctionType) and id(wrapped) not in self.seen:
+            self.seen.add(id(wrapped))
+            self._function(wrapped, path, depth)
         if (fn.__module__ or "").split(".")[0] in _OWN_CODE:
             return
         if fn.__closure__:

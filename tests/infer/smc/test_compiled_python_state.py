@@ -18,6 +18,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.nn import PyroModule, pyro_method
 
 from pyro_smc import SMC
 from pyro_smc.infer.smc.python_state import GradModeWatch, first_change, snapshot, stale
@@ -102,6 +103,22 @@ class GlobalClock(_Shifted):
         TICKS += 1
 
 
+class DecoratedClock(PyroModule):
+    """The global clock behind Pyro's ``pyro_method`` decorator (a wrapper of Pyro's own code)."""
+
+    @pyro_method
+    def init(self, state):
+        global TICKS
+        TICKS = 0
+        state["x"] = pyro.sample("x_init", dist.Normal(0.0, 1.0))
+
+    @pyro_method
+    def step(self, state, y):
+        global TICKS
+        _Shifted.transition(self, state, y, TICKS)
+        TICKS += 1
+
+
 def closure_clock():
     ticks = [0]
 
@@ -170,12 +187,13 @@ def _run(model, compile, seed=0, **kwargs):
         (HelperClock, "self.clock.t"),
         (CountClock, "self.clock"),
         (GlobalClock, "global 'TICKS'"),
+        (DecoratedClock, "global 'TICKS'"),
         (closure_clock, "closure variable 'ticks'"),
         (BufferClock, "self.t, written in place"),
         (InPlaceState, "state['x'], written in place (assign a new tensor instead)"),
         (PythonRandom, "Python's random module"),
     ],
-    ids=["dict", "helper", "itertools", "global", "closure", "buffer", "in-place-state", "random"],
+    ids=["dict", "helper", "itertools", "global", "decorated-global", "closure", "buffer", "in-place-state", "random"],
 )
 def test_a_step_that_changes_python_state_runs_on_the_handler_path(make, culprit):
     plain, fast = _run(make(), False), _run(make(), None)
