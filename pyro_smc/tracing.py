@@ -53,6 +53,7 @@ __all__ = [
     "is_latent",
     "is_scored",
     "latent_sites",
+    "missing_observation_sites",
     "module_context",
     "param_sites",
     "replay_where",
@@ -307,3 +308,69 @@ def replay_where(trace: Trace, mask: Tensor, dims_right: int) -> Messenger:
         (True, True)
     """
     return _ReplayWhere(trace, mask, dims_right)
+
+
+def missing_observation_sites(model_trace: Trace, observation: Tensor | None, where: str) -> list[str]:
+    r"""The observed sites that take a missing observation (the step's first argument): every
+    engine leaves them unscored and scores every other observed site of the step (a second
+    observation, data the model holds, a ``pyro.factor``). See :mod:`pyro_smc.observations` and
+    ``docs/math/smc.md#missing-observations``.
+
+    An observation passed as ``None`` reaches the model as ``obs=None``, so its site is latent
+    and none is missing. Otherwise a site takes it when its value is the tensor passed, or equals
+    it (broadcast), or holds a NaN (an all-NaN observation the model reshaped or indexed; a
+    ``pyro.factor`` computed from it); failing those, a step with a single observed site.
+
+    Raises:
+        ValueError: several observed sites and none of them recognisably the observation, naming
+            the step: scoring them all, or none, could both be wrong.
+
+    Example:
+        >>> import math, torch, pyro, pyro.distributions as dist
+        >>> from pyro import poutine
+        >>> def step(y1, y2):
+        ...     x = pyro.sample("x", dist.Normal(0.0, 1.0))
+        ...     pyro.sample("y1", dist.Normal(x, 1.0), obs=y1)
+        ...     pyro.sample("y2", dist.Normal(x, 1.0), obs=y2)
+        >>> y1 = torch.tensor(math.nan)
+        >>> trace = poutine.trace(step).get_trace(y1, torch.tensor(0.5))
+        >>> missing_observation_sites(trace, y1, "time step 3")
+        ['y1']
+    """
+    if observation is None:
+        return []
+    sites = {name: site for name, site in model_trace.nodes.items() if is_scored(site) and site["is_observed"]}
+    if not sites:
+        return []
+    tests = (
+        lambda site: site["value"] is observation,
+        lambda site: _equal_broadcast(site["value"], observation),
+        lambda site: _holds_nan(site),
+    )
+    for test in tests:
+        found = [name for name, site in sites.items() if test(site)]
+        if found:
+            return found
+    if len(sites) == 1:
+        return list(sites)
+    raise ValueError(
+        f"at {where} the observation (the step's first argument) is missing, but none of the observed sites "
+        f"{sorted(sites)} takes it as its value, so SMC cannot tell which one to leave unscored; "
+        "observe it as given (pyro.sample(..., obs=y))"
+    )
+
+
+def _equal_broadcast(value, observation: Tensor) -> bool:
+    """Whether ``value`` is ``observation`` broadcast to its shape (NaN equal to NaN)."""
+    if not isinstance(value, Tensor) or value.dim() < observation.dim() or value.dtype != observation.dtype:
+        return False
+    if tuple(value.shape[value.dim() - observation.dim() :]) != tuple(observation.shape):
+        return False
+    expanded = observation.expand_as(value)
+    return bool(((value == expanded) | (torch.isnan(value) & torch.isnan(expanded))).all()) if value.is_floating_point() else torch.equal(value, expanded)
+
+
+def _holds_nan(site: dict) -> bool:
+    """Whether an observed site's value, or a ``pyro.factor``'s log-factor, holds a NaN."""
+    values = [site["value"], getattr(site["fn"], "log_factor", None)]
+    return any(isinstance(v, Tensor) and v.is_floating_point() and bool(torch.isnan(v).any()) for v in values)

@@ -47,7 +47,7 @@ from pyro.poutine.trace_struct import Trace
 from torch import Tensor
 
 from pyro_smc.observations import step_observation
-from pyro_smc.tracing import check_observed_shapes, is_scored, latent_sites, module_context, param_sites, site_log_probs
+from pyro_smc.tracing import check_observed_shapes, is_scored, latent_sites, missing_observation_sites, module_context, param_sites, site_log_probs
 
 __all__ = ["Discovery", "StepContext", "observation_missing"]
 
@@ -204,7 +204,9 @@ class StepContext:
             The log-densities ``(N,)`` and the ``state`` after the step.
         """
         trace, state = self.run(x_prev, {self.site: x_t})
-        names = [name for name, node in trace.nodes.items() if is_scored(node) and (name == self.site or (node["is_observed"] and not self.missing))]
+        # A missing observation's own site is left out; the step's other observed sites are not.
+        skipped = set(missing_observation_sites(trace, self.y, f"step {self.t}")) if self.missing else set()
+        names = [name for name, node in trace.nodes.items() if is_scored(node) and (name == self.site or (node["is_observed"] and name not in skipped))]
         return _sum_per_sample(trace, names, x_t.shape[0], x_t), state
 
     def log_likelihood(self, x: Tensor, x_prev: Tensor | None) -> Tensor:

@@ -67,7 +67,7 @@ from torch import Tensor
 from pyro_smc.checks import boolean, int_at_least
 from pyro_smc.observations import row_status, step_observation
 from pyro_smc.resamplers.base import gather
-from pyro_smc.tracing import is_latent, is_scored, module_context, site_log_probs
+from pyro_smc.tracing import is_latent, is_scored, missing_observation_sites, module_context, site_log_probs
 
 __all__ = ["ConditionalSMC", "Trajectory", "trajectory_log_density"]
 
@@ -252,7 +252,7 @@ class ConditionalSMC:
         size = rows.shape[0]
         trace = self._run(self.model.step, batch, size, (y,) + args, kwargs, force, where)
         keep = torch.arange(n, device=free.device)
-        log_obs, log_joint = self._stage_log_densities(trace, size, missing, where)
+        log_obs, log_joint = self._stage_log_densities(trace, size, missing, y, where)
         if log_joint is None:
             log_joint = log_w.new_zeros(size)
         if force is not None and self.ancestor_sampling:
@@ -264,11 +264,13 @@ class ConditionalSMC:
         values = gather(_latent_values(trace), keep)
         return _Stage(gather(batch, keep), values, rows[keep], None if log_obs is None else log_obs[keep], log_joint[keep])
 
-    def _stage_log_densities(self, trace: Trace, size: int, missing: bool, where: str) -> tuple[Tensor | None, Tensor | None]:
+    def _stage_log_densities(self, trace: Trace, size: int, missing: bool, y: Any, where: str) -> tuple[Tensor | None, Tensor | None]:
         """``(log g, log f + log g)`` per particle: the observed sites' log-density and the whole
-        stage's (latent sites included), each ``None`` if no site of it is scored."""
+        stage's (latent sites included), each ``None`` if no site of it is scored. At a missing
+        observation ``y`` its own site is left out, the step's other observed sites are not."""
         scored = [name for name, site in trace.nodes.items() if is_scored(site)]
-        observed = [name for name in scored if trace.nodes[name]["is_observed"] and not missing]
+        skipped = set(missing_observation_sites(trace, y if isinstance(y, Tensor) else None, where)) if missing else set()
+        observed = [name for name in scored if trace.nodes[name]["is_observed"] and name not in skipped]
         log_obs = self._log_density(trace, size, observed, where)
         log_latent = self._log_density(trace, size, [name for name in scored if not trace.nodes[name]["is_observed"]], where)
         if log_latent is None:
@@ -305,8 +307,9 @@ class ConditionalSMC:
                 unknown = [n for n, s in trace.nodes.items() if is_latent(s)]
                 if unknown:
                     raise ValueError(f"at {where} the model samples latent sites {unknown} that the trajectory does not hold")
-                skip = k > 0 and missing[k - 1]
-                names = [n for n, s in trace.nodes.items() if is_scored(s) and (n in data or not skip)]
+                # A missing observation's own site is left out; the step's other observed sites are not.
+                skipped = set(missing_observation_sites(trace, ys[k - 1], where)) if k > 0 and missing[k - 1] else set()
+                names = [n for n, s in trace.nodes.items() if is_scored(s) and (n in data or n not in skipped)]
                 term = self._log_density(trace, 1, names, where)
                 if term is not None:
                     total = term if total is None else total + term
@@ -354,7 +357,7 @@ class ConditionalSMC:
         with torch.no_grad():
             state: dict = {}
             trace = self._run(self.model.init, state, n, args, kwargs, None if reference is None else reference.sites[0], "init")
-            log_obs, log_joint = self._stage_log_densities(trace, n, False, "init")
+            log_obs, log_joint = self._stage_log_densities(trace, n, False, None, "init")
             stages = [_Stage(dict(state), _latent_values(trace), None, log_obs, log_joint)]
             for t, y in enumerate(ys):
                 log_w = _shifted(stages[-1].log_w, n, ys, "init" if t == 0 else f"time step {t - 1}")

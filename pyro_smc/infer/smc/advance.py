@@ -136,7 +136,17 @@ def advance(
         proposal = replayed.proposal
     checks.check(proposal, state, inputs, ESTIMATOR_OPTION[estimator.value] if score_function else None)
     if replayed is None:
-        terms = log_weight_terms(proposal.model_trace, proposal.guide_trace, layout, inputs.predict_only, inputs.partial, inputs.active)
+        terms = log_weight_terms(
+            proposal.model_trace,
+            proposal.guide_trace,
+            layout,
+            inputs.predict_only,
+            inputs.partial,
+            inputs.active,
+            inputs.ended,
+            inputs.args[0] if inputs.args else None,
+            inputs.where,
+        )
     else:
         terms = replayed.terms
     if eligible and replayed is None:

@@ -597,6 +597,8 @@ def _trace(function: Callable, flat: tuple) -> tuple[Callable | None, str | None
         # The recording would differentiate through what the program computed without
         # gradients (or the reverse): a trace records operations, not the grad mode.
         return None, "it switches autograd off or on inside the step (torch.no_grad(), torch.enable_grad(), inference mode)"
+    if watch.value_read is not None:
+        return None, f"it reads a tensor as a Python value ({watch.value_read})"
     for record in caught:
         if issubclass(record.category, torch.jit.TracerWarning):
             if "registered as constants" not in str(record.message):  # Pyro's scalar parameters: constants indeed

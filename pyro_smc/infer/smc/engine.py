@@ -218,8 +218,9 @@ class SMC:
         """Advances every filter by one time step: propose, reweight, maybe resample.
 
         An observation (the first positional argument) that is ``None`` or all-NaN makes the step
-        predict-only (the model's transition moves the particles; weights and ``log_evidence``
-        unchanged); a partly-NaN one is scored on its observed entries (the site must factorise
+        predict-only: the model's transition moves the particles and the observation's site is
+        not scored (weights and ``log_evidence`` unchanged unless another observed site or a
+        ``pyro.factor`` of the step is, which is scored as usual); a partly-NaN one is scored on its observed entries (the site must factorise
         over them, ``Normal(...).to_event(1)``) with the model's transition proposing. At both the
         guide is still called, missing entries set to zero, so its bookkeeping keeps step, and its
         draws are discarded. An infinite observation, or a NaN in another argument, is an error.
@@ -318,7 +319,7 @@ class SMC:
                 while t < len(schedule):
                     step = schedule[t]
                     # Observations were checked above, all at once.
-                    self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active))
+                    self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active, step.ended))
                     t += 1
                     bar.update(1)
                     if not looped and t >= regular_from and t < len(schedule) and self._compiled.verified:

@@ -41,7 +41,7 @@ from pyro.poutine.trace_struct import Trace
 from torch import Tensor
 from torch.distributions import Independent as TorchIndependent
 
-from pyro_smc.tracing import is_latent, is_scored, site_log_probs
+from pyro_smc.tracing import is_latent, is_scored, missing_observation_sites, site_log_probs
 
 __all__ = [
     "ParticleLayout",
@@ -121,6 +121,9 @@ def log_weight_terms(
     predict_only: bool = False,
     partial: tuple[Tensor, Tensor, str] | None = None,
     active: Tensor | None = None,
+    ended: Tensor | None = None,
+    observation: Tensor | None = None,
+    where: str = "this step",
 ) -> list[tuple[str, Tensor]]:
     r"""Per-site contributions to :math:`\log \omega`, each reduced to the particle shape.
 
@@ -128,32 +131,43 @@ def log_weight_terms(
         model_trace: the model's step, replayed on the guide's draws.
         guide_trace: the guide's step, or ``None`` for a bootstrap step.
         layout: the particle dims.
-        predict_only: a step without an observation: observed sites are not scored either.
+        predict_only: a step whose observation (the first argument) is missing for every filter:
+            the observed site that takes it is not scored (:func:`missing_observation_sites`);
+            every other observed site (a second observation, a ``pyro.factor``) is.
         partial: for a partly missing observation, ``(filled, observed, where)``: the observation
             as passed to the model (missing entries filled with zeros), the mask of its observed
             entries and the step's name; the observed site fed with it is scored on the observed
             entries only (:func:`mask_missing_components`).
-        active: ``(B,)`` bool, the filters whose observed sites are scored (``None``: all); the
-            observed sites' terms of the other filters are zero, as in a predict-only step, and
-            so are their proposed sites' (those filters moved by the model's transition, ``q = f``;
-            see ``docs/math/smc.md#batches-of-sequences``).
+        active: ``(B,)`` bool, the filters whose observation is present (``None``: all); for the
+            others the term of the site that takes the observation is zero, as in a predict-only
+            step, and so are their proposed sites' (those filters moved by the model's transition,
+            ``q = f``; see ``docs/math/smc.md#batches-of-sequences``).
+        ended: ``(B,)`` bool, the filters past the end of their sequence (``None``: none): every
+            observed site's term is zero for them (their steps do not exist).
+        observation: the first argument as the model was given it, to find the site that takes a
+            missing observation; ``None`` when it was ``None`` (the model then sampled that site).
+        where: the step, for the messages.
 
     Returns:
         ``[(site name, term)]`` in the model's order, each term of ``layout.particle_shape``.
 
     Raises:
-        ValueError: the guide samples a site the model does not have, or a site has batch dims
-            left of the particle plate.
+        ValueError: the guide samples a site the model does not have, a site has batch dims left
+            of the particle plate, or a missing observation's site cannot be told apart.
     """
     if guide_trace is not None:
         for name, site in guide_trace.nodes.items():
             if is_scored(site) and name not in model_trace.nodes:
                 raise ValueError(f"guide samples site '{name}' that the model does not have")
     proposed = set() if guide_trace is None else {name for name, site in guide_trace.nodes.items() if is_scored(site)}
+    missing = set()
+    if predict_only or active is not None:
+        missing = set(missing_observation_sites(model_trace, observation, where))
+    skipped = missing if predict_only and active is None else set()
     scored = [
         name
         for name, site in model_trace.nodes.items()
-        if is_scored(site) and ((site["is_observed"] and not predict_only) or (not site["is_observed"] and name in proposed))
+        if is_scored(site) and ((site["is_observed"] and name not in skipped) or (not site["is_observed"] and name in proposed))
     ]
     if partial is not None:
         mask_missing_components(model_trace, *partial)
@@ -164,9 +178,17 @@ def log_weight_terms(
         term = _per_particle(log_p[name], model_trace.nodes[name], layout)
         if name in log_q:
             term = term - _per_particle(log_q[name], guide_trace.nodes[name], layout)
-        if active is not None and (model_trace.nodes[name]["is_observed"] or name in log_q):
+        observed = model_trace.nodes[name]["is_observed"]
+        # Filters that do not score this term: without the observation (its own site, and the
+        # proposed sites of filters that moved by the model), or past their sequence's end.
+        silent = None
+        if active is not None and (name in missing or name in log_q):
+            silent = ~active
+        if ended is not None and observed:
+            silent = ended if silent is None else silent | ended
+        if silent is not None:
             term = layout.batched(term)
-            term = torch.where(active.unsqueeze(-1), term, torch.zeros_like(term))
+            term = torch.where(silent.unsqueeze(-1), torch.zeros_like(term), term)
             if len(layout.particle_shape) == 1:
                 term = term.squeeze(0)
         terms.append((name, term))

@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import functools
 import random
 import sys
 import types
@@ -57,6 +58,8 @@ __all__ = ["GradModeWatch", "Snapshot", "first_change", "snapshot", "stale"]
 _MAX_NODES = 20000
 _MAX_DEPTH = 8
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
+# NumPy arrays up to this size are compared by content (hashed at every check), larger ones not.
+_MAX_ARRAY_BYTES = 1 << 16
 # The internals of torch's and Pyro's modules (hooks, Pyro's parameter bookkeeping and caches):
 # the walk reads a module's buffers, submodules and the user's own attributes.
 _MODULE_KEYS = {"_buffers", "_modules"}
@@ -199,6 +202,10 @@ def _key(value: Any, is_input: bool) -> Any:
         return (type(value), value if value == value else "nan")
     if isinstance(value, Tensor):
         return ("input",) if is_input else ("tensor", _Same(value), value._version)
+    if _is_ndarray(value):
+        # By content: an array written in place between steps keeps its identity.
+        content = hash(value.tobytes()) if value.nbytes <= _MAX_ARRAY_BYTES else "too large"
+        return ("ndarray", _Same(value), value.shape, str(value.dtype), content)
     if isinstance(value, (list, tuple, collections.deque)):
         if all(isinstance(v, _SCALARS) for v in value):
             return (type(value), _Same(value), hash(tuple(v if v == v else "nan" for v in value)))
@@ -267,6 +274,9 @@ class _Walker:
         if key is None:
             self.problem = self.problem or f"{path} is an iterator whose position a recording cannot check"
             return
+        if key[0] == "ndarray" and key[-1] == "too large":
+            self.problem = self.problem or f"{path} is a NumPy array too large to check between steps"
+            return
         self.leaves[path] = key
         self.checks.append((path, fetch, key))
         if isinstance(value, (_SCALARS, Tensor)) or key[0] == "iterator" or id(value) in self.seen or depth > _MAX_DEPTH:
@@ -292,6 +302,12 @@ class _Walker:
                         self.walk(member, f"{path}.{name}", depth + 1, _item(item, name))
                 elif key not in internals:
                     self.walk(item, f"{path}.{key}", depth + 1, _attribute(value, key))
+        elif isinstance(value, functools.partial):
+            self.walk(value.func, f"{path}.func", depth + 1, lambda: value.func)
+            for i, item in enumerate(value.args):
+                self.walk(item, f"{path}.args[{i}]", depth + 1, _item(value.args, i))
+            for name, item in value.keywords.items():
+                self.walk(item, f"{path}.keywords[{name!r}]", depth + 1, _item(value.keywords, name))
         elif isinstance(value, (set, frozenset, types.ModuleType, type)) or _library(type(value)):
             return  # by identity (sets: and their scalars)
         elif hasattr(value, "__dict__"):
@@ -307,16 +323,39 @@ class _Walker:
             self._function(wrapped, path, depth)
         if (fn.__module__ or "").split(".")[0] in _OWN_CODE:
             return
+        for i, default in enumerate(fn.__defaults__ or ()):
+            self.walk(default, f"default {i} of {fn.__qualname__}", depth + 1, _item(fn.__defaults__, i))
+        for name, default in (fn.__kwdefaults__ or {}).items():
+            self.walk(default, f"default {name!r} of {fn.__qualname__}", depth + 1, _item(fn.__kwdefaults__, name))
         if fn.__closure__:
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
                 fetch = _cell(cell)
                 contents = fetch()
                 if contents is not _MISSING:
                     self.walk(contents, f"closure variable {name!r} of {fn.__qualname__}", depth + 1, fetch)
-        for name in _global_names(fn.__code__):
+        names = _global_names(fn.__code__)
+        for name in names:
             if name in fn.__globals__:
                 fetch = _item(fn.__globals__, name)
-                self.walk(fetch(), f"global {name!r} of {fn.__module__}", depth + 1, fetch)
+                value = fetch()
+                self.walk(value, f"global {name!r} of {fn.__module__}", depth + 1, fetch)
+                if isinstance(value, types.ModuleType) and _user_module(value):
+                    # A user's module read as module.name: the names the code reads from it
+                    # (co_names holds attribute names with the globals).
+                    for attribute in sorted(names & vars(value).keys()):
+                        self.walk(getattr(value, attribute), f"{name}.{attribute}", depth + 1, _attribute(value, attribute))
+
+
+def _is_ndarray(value: Any) -> bool:
+    cls = type(value)
+    return cls.__name__ == "ndarray" and cls.__module__ == "numpy"
+
+
+def _user_module(module: types.ModuleType) -> bool:
+    """Whether ``module`` is the user's own: neither the standard library's nor torch's, Pyro's,
+    NumPy's or this package's, whose attributes are functions and constants."""
+    top = module.__name__.split(".")[0]
+    return top not in _LIBRARIES and top not in _OWN_CODE and top not in sys.stdlib_module_names and not top.startswith("_")
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -345,11 +384,29 @@ class GradModeWatch(TorchFunctionMode):
         super().__init__()
         self.grad_enabled = torch.is_grad_enabled()
         self.switched = False
+        # The first operation that read a tensor's values into a Python value without the
+        # tracer's warning (torch.equal, torch.allclose, torch.is_nonzero), or None.
+        self.value_read: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not self.switched and (torch.is_grad_enabled() != self.grad_enabled or torch.is_inference_mode_enabled()):
             self.switched = not _called_by_library()
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        # A Python truth value computed from tensors is a constant of the recording.
+        if self.value_read is None and type(result) is bool and _reads_values(func):
+            self.value_read = getattr(func, "__name__", repr(func))
+        return result
+
+
+# Operations that compute a Python truth value from tensors' values without the tracer's warning
+# (bool(), item() and the like warn, which the recording's check reads).
+_SILENT_VALUE_READS = frozenset({"equal", "allclose", "is_nonzero"})
+
+
+def _reads_values(func: Any) -> bool:
+    """Whether ``func`` (an operation that returned a Python bool or number) read tensor values
+    where the tracer does not say so."""
+    return getattr(func, "__name__", "") in _SILENT_VALUE_READS
 
 
 # torch's wrappers between a caller and the operation it calls (Tensor's Python dunders).

@@ -38,13 +38,16 @@ class StepInput(NamedTuple):
         predict_only: no filter observes anything at this step.
         observed: bool mask of the observed entries (broadcasting like ``y``) when some entries
             are missing, else ``None``.
-        active: bool ``(B,)`` of the filters that observe at this step, ``None`` when all do.
+        active: bool ``(B,)`` of the filters whose observation is present at this step, ``None``
+            when all are.
+        ended: bool ``(B,)`` of the filters past the end of their sequence, ``None`` when none is.
     """
 
     y: Tensor
     predict_only: bool
     observed: Tensor | None = None
     active: Tensor | None = None
+    ended: Tensor | None = None
 
 
 def fill_missing(args: tuple, observed: Tensor | None) -> tuple:
@@ -151,5 +154,14 @@ def _batched_schedule(observations: Tensor, num_filters: int, lengths) -> list[S
     for t in range(T):
         active = ~row_missing[:, t]
         observed = (~nan[:, t]).reshape(shape) if bool(partly[:, t].any()) else None
-        schedule.append(StepInput(filled[:, t].reshape(shape), bool(row_missing[:, t].all()), observed, None if bool(active.all()) else active))
+        ended = padded[:, t]
+        schedule.append(
+            StepInput(
+                filled[:, t].reshape(shape),
+                bool(row_missing[:, t].all()),
+                observed,
+                None if bool(active.all()) else active,
+                ended if bool(ended.any()) else None,
+            )
+        )
     return schedule

@@ -55,7 +55,9 @@ class StepInputs(NamedTuple):
         t: the 0-based time step; ``None`` for ``init``.
         predict_only: no filter's observation is scored (``None`` or all-NaN).
         observed: the mask of the observed entries of a partly-missing observation, else ``None``.
-        active: bool ``(B,)``, the filters that observe at this step (``None``: all).
+        active: bool ``(B,)``, the filters whose observation is present at this step (``None``: all).
+        ended: bool ``(B,)``, the filters past the end of their sequence, which score nothing
+            (``None``: none).
     """
 
     args: tuple
@@ -64,6 +66,7 @@ class StepInputs(NamedTuple):
     predict_only: bool = False
     observed: Tensor | None = None
     active: Tensor | None = None
+    ended: Tensor | None = None
 
     @property
     def where(self) -> str:
@@ -223,9 +226,11 @@ def weigh(
     if not all_finite(log_norm):
         raise failure(terms, layout, inputs.where)
     if inputs.active is not None:
-        # A filter whose observation is masked scored nothing: its log_norm is 0 up to rounding;
-        # exactly 0 in value keeps its weights and evidence.
-        log_norm = torch.where(inputs.active, log_norm, log_norm - log_norm.detach())
+        # A filter whose terms were all masked (no observation, and no other observed site, or
+        # past its sequence's end) scored nothing: its log_norm is 0 up to rounding; exactly 0 in
+        # value keeps its weights and evidence.
+        scored = torch.stack([layout.batched(term).ne(0).any(-1) for _, term in terms]).any(0)
+        log_norm = torch.where(scored, log_norm, log_norm - log_norm.detach())
     return weights.gain(joint - log_norm.unsqueeze(-1), log_norm + offset)
 
 

@@ -10,10 +10,12 @@ handler path (or, for the control input, from the step it changed) with the hand
 numbers exactly, and says why.
 """
 
+import functools
 import itertools
 import math
 import random
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -22,6 +24,7 @@ from pyro.nn import PyroModule, pyro_method
 
 from pyro_smc import SMC
 from pyro_smc.infer.smc.python_state import GradModeWatch, first_change, snapshot, stale
+from tests.infer.smc import _control_module
 
 T, CHANGE = 16, 6
 
@@ -315,3 +318,109 @@ def test_grad_mode_watch():
         with torch.no_grad():
             torch.ones(2) * 2
     assert watch.switched
+
+
+class _Driven(_Shifted):
+    """The shift read through ``self.control()``, set between calls of ``SMC.step``."""
+
+    def step(self, state, y):
+        state["x"] = pyro.sample("x", dist.Normal(0.5 * state["x"] + self.control(), 1.0))
+        pyro.sample("y", dist.Normal(state["x"], 0.5), obs=y)
+
+
+class ArrayDriven(_Driven):
+    def __init__(self):
+        self.u = np.zeros(1)
+
+    def control(self):
+        return float(self.u[0])
+
+    def set(self, value):
+        self.u[0] = value  # in place: the array keeps its identity
+
+
+_BOX = [0.0]
+
+
+class PartialDriven(_Driven):
+    def __init__(self):
+        self.control = functools.partial(lambda box: box[0], _BOX)
+
+    def set(self, value):
+        _BOX[0] = value
+
+
+class ModuleDriven(_Driven):
+    def control(self):
+        return _control_module.control()
+
+    def set(self, value):
+        _control_module.CONTROL = value
+
+
+class DefaultDriven(_Driven):
+    def control(self, box=[0.0]):  # noqa: B006 - the mutable default is the point
+        return box[0]
+
+    def set(self, value):
+        type(self).control.__defaults__[0][0] = value
+
+
+@pytest.mark.filterwarnings("ignore:the weights collapsed")
+@pytest.mark.parametrize(
+    "make, culprit",
+    [(ArrayDriven, "self.u"), (PartialDriven, "self.control.args[0]"), (ModuleDriven, "'CONTROL'"), (DefaultDriven, "default 0")],
+    ids=["numpy-array", "partial", "user-module", "default-argument"],
+)
+def test_an_input_changed_after_the_verifying_step_is_not_baked_in(make, culprit):
+    """A control switched on at step 6 (after the recording was verified) and read through a
+    NumPy array written in place, a functools.partial, a user module's global or a mutable default
+    argument was frozen at its recorded value: log Z 900 nats off. Now the step falls back."""
+    ys, runs = _data(), {}
+    for compile in (False, None):
+        pyro.set_rng_seed(0)
+        model = make()
+        model.set(0.0)
+        smc = SMC(model, num_particles=64, num_filters=4, compile=compile).init()
+        for t, y in enumerate(ys):
+            model.set(3.0 if t >= CHANGE else 0.0)
+            smc.step(y)
+        runs[compile] = smc
+        model.set(0.0)
+    assert torch.equal(runs[None].log_evidence, runs[False].log_evidence)
+    status = runs[None].compile_status
+    assert status is not None and culprit in status and "changed between steps" in status, status
+
+
+class _Switched(_Shifted):
+    """Observation noise chosen by a Python test of the observation's flag column."""
+
+    def step(self, state, y):
+        noisy = self.noisy(y[1])
+        state["x"] = pyro.sample("x", dist.Normal(0.5 * state["x"], 1.0))
+        pyro.sample("y", dist.Normal(state["x"], 2.0 if noisy else 0.5), obs=y[0])
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        lambda flag: not torch.equal(flag, torch.zeros(())),
+        lambda flag: not torch.allclose(flag, torch.zeros(())),
+        lambda flag: not flag.equal(torch.zeros(())),
+        lambda flag: torch.is_nonzero(flag),
+    ],
+    ids=["torch.equal", "torch.allclose", "Tensor.equal", "torch.is_nonzero"],
+)
+def test_a_branch_on_a_silent_value_read_runs_on_the_handler_path(test):
+    """torch.equal and friends return Python bools without the tracer's warning: a recording
+    froze the branch (the noise switch at step 6 was ignored: 23 nats). Now it is refused."""
+    flags = (torch.arange(T) >= CHANGE).to(torch.get_default_dtype())
+    ys = torch.stack([_data(), flags], -1)
+    model = _Switched()
+    model.noisy = staticmethod(test)
+    runs = {}
+    for compile in (False, None):
+        pyro.set_rng_seed(0)
+        runs[compile] = SMC(model, num_particles=64, num_filters=4, compile=compile).run(ys)
+    assert torch.equal(runs[None].log_evidence, runs[False].log_evidence)
+    assert "reads a tensor as a Python value" in runs[None].compile_status
