@@ -212,8 +212,19 @@ class StepContext:
     def log_likelihood(self, x: Tensor, x_prev: Tensor | None) -> Tensor:
         """``log g(y_t | x)`` at one state ``x`` ``(d,)`` (from ``x_prev`` ``(1, d)``), a scalar."""
         trace, _ = self.run(x_prev, {self.site: x.unsqueeze(0)})
-        names = [name for name, node in trace.nodes.items() if is_scored(node) and node["is_observed"] and name != self.site]
-        return _sum_per_sample(trace, names, 1, x).sum()
+        return _sum_per_sample(trace, self._likelihood_sites(trace), 1, x).sum()
+
+    def observes(self, x: Tensor, x_prev: Tensor | None) -> bool:
+        """Whether the step scores any observed site at ``x`` ``(d,)``: at a missing observation,
+        a second observation or a ``pyro.factor`` of the step."""
+        trace, _ = self.run(x_prev, {self.site: x.unsqueeze(0)})
+        return bool(self._likelihood_sites(trace))
+
+    def _likelihood_sites(self, trace: Trace) -> list[str]:
+        """The observed sites of a run that make ``g(y_t | x_t)``: all but the latent site and,
+        at a missing observation, the site that takes it."""
+        skipped = set(missing_observation_sites(trace, self.y, f"step {self.t}")) if self.missing else set()
+        return [name for name, node in trace.nodes.items() if is_scored(node) and node["is_observed"] and name != self.site and name not in skipped]
 
 
 def _sum_per_sample(trace: Trace, names: list[str], n: int, like: Tensor) -> Tensor:

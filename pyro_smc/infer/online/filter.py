@@ -290,7 +290,11 @@ class OnlineVariationalFilter:
         self._param_names.update(dict.fromkeys(prior.param_names))
         self._learner.track(prior.param_names)
         if self.initialize != "previous":
-            initialise(self.guide, context, prior, laplace=self.initialize == "laplace" and not missing)
+            # A missing observation's step may still observe something (a second sensor, a
+            # pyro.factor): its Laplace start then takes that in (from the bare prediction the
+            # optimiser left variances 8-9 times the exact ones, unflagged).
+            laplace = self.initialize == "laplace" and (not missing or context.observes(prior.x_prior.reshape(-1, self.guide.state_dim)[0], None if prior.x_prev is None else prior.x_prev[:1]))
+            initialise(self.guide, context, prior, laplace=laplace)
             check_marginal(self.guide, where)
         self._optimiser.fit(context, self._value)
         if self._optimiser.exhausted and self.initialize != "laplace":
