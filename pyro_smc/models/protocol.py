@@ -40,7 +40,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["GaussianStateSpaceModel", "StateSpaceModel", "require_gaussian_model"]
+__all__ = ["GaussianStateSpaceModel", "StateSpaceModel", "check_noise_covariances", "require_gaussian_model"]
 
 
 class _ModuleProtocolMeta(type(Protocol)):
@@ -179,3 +179,34 @@ def require_gaussian_model(ssm: object, engine: str) -> None:
             f"NonlinearGaussianSSM, LinearGaussianSSM), got a {type(ssm).__name__} without {', '.join(missing)}; "
             "a model written as a Pyro init/step program runs on SMC (or OnlineVariationalFilter) instead"
         )
+
+
+def check_noise_covariances(ssm: GaussianStateSpaceModel, engine: str) -> None:
+    """Raises a ``ValueError`` naming ``engine`` and the attribute unless ``init_cov``,
+    ``transition_cov`` and ``observation_cov`` are symmetric positive semi-definite, as they are
+    at the call (a covariance assigned after construction is checked here, where the model's
+    constructor cannot: a ``transition_cov`` with a negative eigenvalue in a direction the
+    observations do not see gave the extended smoothers negative variances and a finite
+    log-evidence, silently).
+
+    Example:
+        >>> import torch
+        >>> from pyro_smc.models import NonlinearGaussianSSM
+        >>> eye = torch.eye(2)
+        >>> ssm = NonlinearGaussianSSM(lambda x: x, eye, lambda x: x, eye, torch.zeros(2), eye)
+        >>> ssm.transition_cov = torch.diag(torch.tensor([1.0, -0.1]))
+        >>> try:
+        ...     check_noise_covariances(ssm, "extended_rts_smoother")
+        ... except ValueError as error:
+        ...     print(str(error)[:58])
+        extended_rts_smoother: transition_cov must be positive sem
+    """
+    from pyro_smc.ops.gaussian import check_psd
+
+    for name in ("init_cov", "transition_cov", "observation_cov"):
+        value = getattr(ssm, name)
+        if isinstance(value, Tensor):
+            try:
+                check_psd(name, value, strict=False)
+            except ValueError as error:
+                raise ValueError(f"{engine}: {error}") from None

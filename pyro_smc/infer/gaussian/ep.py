@@ -89,7 +89,7 @@ from pyro_smc.infer.gaussian.result import EPIteration, EPState, GaussianSmoothe
 from pyro_smc.infer.gaussian.schedule import EPProblem, EPRun, EPSettings, FixedPointMap, WarmStart
 from pyro_smc.infer.gaussian.sequential import SequentialSchedule
 from pyro_smc.infer.gaussian.sites import failure_hint
-from pyro_smc.models.protocol import GaussianStateSpaceModel, require_gaussian_model
+from pyro_smc.models.protocol import GaussianStateSpaceModel, check_noise_covariances, require_gaussian_model
 from pyro_smc.observations import check_observations
 from pyro_smc.ops.fixed_point import implicit_fixed_point
 from pyro_smc.ops.gaussian import check_finite_steps
@@ -283,6 +283,7 @@ class EPSmoother:
                 per call. ``converged`` is then ``False``.
         """
         ssm = self.ssm
+        check_noise_covariances(ssm, "EPSmoother")
         ys, observed = check_observations(observations, ssm.obs_dim, like=ssm.init_mean)
         problem = EPProblem(ys, observed, observation_status(ys))
         bar = progress(desc=f"EPSmoother ({self.schedule})", total=self.max_iter, enabled=progress_enabled(self.progress_bar))

@@ -61,7 +61,7 @@ from pyro_smc.infer.gaussian.observed import ObservationStatus, observation_stat
 from pyro_smc.infer.gaussian.projections import Projection, Unscented, as_projection
 from pyro_smc.infer.gaussian.recorded import ForwardRun, LeanFilter, _update
 from pyro_smc.infer.gaussian.result import GaussianSmootherResult
-from pyro_smc.models.protocol import GaussianStateSpaceModel, require_gaussian_model
+from pyro_smc.models.protocol import GaussianStateSpaceModel, check_noise_covariances, require_gaussian_model
 from pyro_smc.observations import check_observations
 from pyro_smc.ops.affine_chain import compose_backward_kernels
 from pyro_smc.ops.gaussian import check_finite_steps, symmetrize
@@ -131,6 +131,7 @@ def _filter(ssm: GaussianStateSpaceModel, observations, projection: Projection) 
     # the hyperparameters require grad, so that log_evidence is differentiable in them), not
     # once per projection.
     require_gaussian_model(ssm, f"the Gaussian filter ({projection!r})")
+    check_noise_covariances(ssm, f"the Gaussian filter ({projection!r})")
     with pinned_posteriors(ssm.transition_fn, ssm.observation_fn):
         return _filter_pinned(ssm, observations, projection)
 

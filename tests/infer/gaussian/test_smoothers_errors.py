@@ -115,3 +115,28 @@ def test_a_linear_model_that_overflows_float32_is_an_error_naming_the_step():
     ys = torch.full((12, 1), float("nan"), dtype=torch.float32)
     with pytest.raises(ValueError, match=r"time step 7\b"):
         gaussian_filter(lin, ys, "linearization")
+
+
+_NEGATIVE = [[1.0, 0.0], [0.0, -0.1]]
+_ASYMMETRIC = [[1.0, 0.5], [0.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    "name, bad",
+    [("init_cov", _NEGATIVE), ("transition_cov", _NEGATIVE), ("transition_cov", _ASYMMETRIC), ("init_cov", _ASYMMETRIC), ("observation_cov", [[-0.2]])],
+)
+def test_a_covariance_assigned_after_construction_is_checked_at_the_call(name, bad):
+    """A covariance replaced after the model was built (as learnable covariances are) with a
+    negative eigenvalue in a direction the observations do not see gave the extended smoothers
+    negative variances (-0.52) and a finite log-evidence, silently; an asymmetric one passed every
+    engine. Now every Gaussian engine refuses it, naming the attribute."""
+    from pyro_smc import EPSmoother
+    from pyro_smc.infer import extended_kalman_filter, extended_rts_smoother, unscented_rts_smoother
+
+    eye = torch.eye(2, dtype=torch.float64)
+    ssm = NonlinearGaussianSSM(lambda x: 0.9 * x, 0.5 * eye, lambda x: x[..., :1], torch.eye(1, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), eye)
+    ys = ssm.simulate(10, generator=torch.Generator().manual_seed(0))[1]
+    setattr(ssm, name, torch.tensor(bad, dtype=torch.float64))
+    for run in (extended_kalman_filter, extended_rts_smoother, unscented_rts_smoother, lambda m, y: EPSmoother(m, max_iter=3).smooth(y)):
+        with pytest.raises(ValueError, match=name):
+            run(ssm, ys)
