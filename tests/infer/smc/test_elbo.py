@@ -103,3 +103,39 @@ def test_compile_switch_and_the_kept_recording_across_svi_steps():
     assert runs[None].compile_status is None and runs[None]._compiled.compiled_steps == len(ys) - 2
     assert runs[False].compile_status == "compile=False"
     assert losses[None] == pytest.approx(losses[False], rel=1e-12)
+
+
+class _Learned:
+    def __init__(self):
+        self.t = 0
+
+    def init(self, state):
+        self.t = 0
+
+    def step(self, state, y=None):
+        rho = pyro.param("rho", torch.tensor(0.3))
+        loc = rho * state["x"] if "x" in state else torch.zeros(())
+        state["x"] = pyro.sample(f"x_{self.t}", dist.Normal(loc, 1.0))
+        pyro.sample(f"y_{self.t}", dist.Normal(state["x"], 0.5), obs=y)
+        self.t += 1
+
+
+def test_the_default_resamplers_biased_gradient_is_reported_once():
+    """The default (systematic, gradient='detach') drops resampling from the gradient: SVI then
+    settles near, not at, the MLE (0.630 against 0.567 on an AR(1) model), silently before. It
+    says so once per loss object; a resampler passed explicitly is the user's choice."""
+    import warnings
+
+    from pyro_smc.resamplers import SystematicResampler
+
+    pyro.clear_param_store()
+    ys = torch.randn(6)
+    elbo = SMCELBO(num_particles=10)
+    with pytest.warns(UserWarning, match="biased.*maximum-likelihood"):
+        elbo.differentiable_loss(_Learned(), None, ys)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="SMCELBO's default resampler")
+        elbo.differentiable_loss(_Learned(), None, ys)  # once only
+        SMCELBO(num_particles=10, resampler=SystematicResampler()).differentiable_loss(_Learned(), None, ys)
+        with torch.no_grad():
+            SMCELBO(num_particles=10).differentiable_loss(_Learned(), None, ys)  # no gradient: nothing to say
