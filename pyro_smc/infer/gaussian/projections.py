@@ -221,7 +221,8 @@ class _JacobianInMean(torch.autograd.Function):
         with torch.enable_grad():
             at = mean.detach().requires_grad_()
             J = _jacobian_at(ctx.fn, at, ctx.t, ctx.e, True)
-            (g,) = torch.autograd.grad(J, at, grad, allow_unused=True)
+            # A linear map's Jacobian is a constant, with no graph to differentiate.
+            (g,) = torch.autograd.grad(J, at, grad, allow_unused=True) if J.requires_grad else (None,)
         return (torch.zeros_like(mean) if g is None else g), None, None, None
 
 

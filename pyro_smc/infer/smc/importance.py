@@ -160,9 +160,10 @@ def log_weight_terms(
             if is_scored(site) and name not in model_trace.nodes:
                 raise ValueError(f"guide samples site '{name}' that the model does not have")
     proposed = set() if guide_trace is None else {name for name, site in guide_trace.nodes.items() if is_scored(site)}
-    missing = set()
-    if predict_only or active is not None:
-        missing = set(missing_observation_sites(model_trace, observation, where))
+    # The site a missing observation feeds, where some filter is without it inside its sequence
+    # (past a sequence's end every observed term is masked anyway).
+    without = predict_only if active is None else bool((~active if ended is None else ~active & ~ended).any())
+    missing = set(missing_observation_sites(model_trace, observation, where)) if without else set()
     skipped = missing if predict_only and active is None else set()
     scored = [
         name

@@ -106,3 +106,19 @@ def test_jacobian_gradient_in_the_mean_and_the_parameter():
 
     m, a = torch.tensor([0.4, -0.7], requires_grad=True), torch.tensor(1.3, requires_grad=True)
     assert torch.autograd.gradcheck(jacobian, (m, a))
+
+
+def test_a_linear_map_with_a_parameter_in_the_covariances_only():
+    """A linear map's Jacobian is a constant: differentiating the evidence in Q alone raised
+    'element 0 of tensors does not require grad'. It now equals the Kalman filter's gradient."""
+    from pyro_smc.infer import extended_kalman_filter
+    from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM
+
+    s = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    eye = torch.eye(1, dtype=torch.float64)
+    ys = torch.randn(10, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ssm = NonlinearGaussianSSM(lambda x: 0.9 * x, torch.exp(s) * eye, lambda x: 2 * x, eye, torch.zeros(1, dtype=torch.float64), eye)
+    (grad,) = torch.autograd.grad(extended_kalman_filter(ssm, ys).log_evidence, s)
+    exact = LinearGaussianSSM(0.9 * eye, torch.exp(s) * eye, 2 * eye, eye, torch.zeros(1, dtype=torch.float64), eye)
+    (expected,) = torch.autograd.grad(exact.log_evidence(ys), s)
+    assert torch.allclose(grad, expected)

@@ -212,3 +212,13 @@ def test_the_online_filter_scores_the_factor_of_a_missing_step():
     log_joint, _ = ctx.log_joint(x_prev, x_t)
     expected = dist.Normal(A * x_prev, Q).log_prob(x_t).squeeze(-1) - 0.5 * x_t.squeeze(-1) ** 2 / S**2
     assert torch.allclose(log_joint, expected)
+
+
+def test_padding_alone_needs_no_missing_site():
+    """Past a sequence's end every observed term is masked, so a model whose observed sites do not
+    show which takes the observation runs on padded batches (only a NaN row inside a sequence
+    needs to know)."""
+    ys = torch.tensor([[0.5, 0.1, -0.2], [0.5, 0.2, 0.0]])
+    smc = SMC(Ambiguous(), num_particles=10, num_filters=2).run(ys, torch.tensor(0.5), lengths=torch.tensor([3, 1]), batched=True)
+    increments = smc.log_evidence_increments.reshape(3, 2)
+    assert bool((increments[1:, 1] == 0).all()) and bool((increments[:, 0] != 0).all())
