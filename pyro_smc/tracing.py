@@ -118,7 +118,7 @@ def site_log_probs(trace: Trace, names: Iterator[str] | None = None) -> dict[str
     return out
 
 
-def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str) -> None:
+def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str, bare: Tensor | None = None) -> None:
     """Every observed site sees each entry of its observation exactly once.
 
     Pyro broadcasts an observed value against its distribution. Against the engine's own leading
@@ -135,6 +135,10 @@ def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str) ->
         trace: one run of a step.
         leading: the engine's batch dims left of the model's own (``()`` for none).
         where: the step, for the message.
+        bare: the observation as the engine passed it when it carries none of the engine's dims
+            (a step's slice of a series): a site that observes this very tensor must fit it
+            without ``leading`` at all (a ``(2,)`` observation of a scalar site with 2 particles
+            would otherwise pass as one value per particle).
 
     Raises:
         ValueError: naming the step, the site and both shapes.
@@ -167,6 +171,7 @@ def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str) ->
         padded = (1,) * (len(rest) - len(own)) + own
         fits = len(shape) <= len(full) and all(v == r or (v == 1 and r == 1) for v, r in zip(padded, rest))
         fits = fits and all(v == f or v == 1 for v, f in zip(reversed(shape[: len(shape) - len(own)]), reversed(lead)))
+        fits = fits and not (bare is not None and site["value"] is bare and len(shape) > len(own))
         if not fits:
             raise ValueError(
                 f"the observation of site '{name}' at {where} has shape {shape}, which does not fit the site (per sample "

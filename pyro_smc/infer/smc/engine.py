@@ -319,7 +319,7 @@ class SMC:
                 while t < len(schedule):
                     step = schedule[t]
                     # Observations were checked above, all at once.
-                    self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active, step.ended))
+                    self._step(StepInputs((step.y,) + args, kwargs, t, step.predict_only, step.observed, step.active, step.ended, not batched))
                     t += 1
                     bar.update(1)
                     if not looped and t >= regular_from and t < len(schedule) and self._compiled.verified:

@@ -58,6 +58,8 @@ class StepInputs(NamedTuple):
         active: bool ``(B,)``, the filters whose observation is present at this step (``None``: all).
         ended: bool ``(B,)``, the filters past the end of their sequence, which score nothing
             (``None``: none).
+        bare: whether the observation carries none of the engine's dims (``False`` for a batch
+            of sequences, whose observations are ``(B, 1, ...)``).
     """
 
     args: tuple
@@ -67,6 +69,7 @@ class StepInputs(NamedTuple):
     observed: Tensor | None = None
     active: Tensor | None = None
     ended: Tensor | None = None
+    bare: bool = True
 
     @property
     def where(self) -> str:

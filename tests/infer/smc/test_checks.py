@@ -312,3 +312,23 @@ def test_an_observation_that_does_not_fit_its_site_is_an_error(case):
         SMC(Model(dim, plate), num_particles=10, max_plate_nesting=int(plate)).run(ys)
     fitting = torch.zeros(3, 1) if dim == 1 else torch.zeros(3, 2)
     assert torch.isfinite(SMC(Model(dim, plate), num_particles=10, max_plate_nesting=int(plate)).run(fitting).log_evidence).all()
+
+
+class _ScalarWalk:
+    def init(self, state):
+        pass
+
+    def step(self, state, y=None):
+        state["x"] = pyro.sample("x", dist.Normal(state.get("x", torch.zeros(())), 1.0))
+        pyro.sample("y", dist.Normal(state["x"], 1.0), obs=y)
+
+
+@pytest.mark.parametrize("num_particles", [2, 3, 10])
+def test_a_vector_series_on_a_scalar_model_is_refused_whatever_the_particle_count(num_particles):
+    """A (T, 2) series on a scalar site was refused at N = 10 but passed at N = 2, where the
+    observation lines up with the particle dim (one value per particle, silently; PMMH and SMC2
+    with 2 particles too). A step's slice of a series carries no particle dim: now refused."""
+    with pytest.raises(ValueError, match=r"shape \(2,\), which does not fit the site"):
+        SMC(_ScalarWalk(), num_particles=num_particles).run(torch.randn(5, 2))
+    # A batch of sequences passes (B, 1, ...) by design: one row per filter.
+    SMC(_ScalarWalk(), num_particles=num_particles, num_filters=2).run(torch.randn(2, 5), batched=True)
