@@ -118,7 +118,7 @@ def site_log_probs(trace: Trace, names: Iterator[str] | None = None) -> dict[str
     return out
 
 
-def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str, bare: Tensor | None = None) -> None:
+def check_observed_shapes(trace: Trace, leading: tuple[int, ...], where: str, bare: Any = None) -> None:
     """Every observed site sees each entry of its observation exactly once.
 
     Pyro broadcasts an observed value against its distribution. Against the engine's own leading

@@ -204,25 +204,24 @@ class StepContext:
             The log-densities ``(N,)`` and the ``state`` after the step.
         """
         trace, state = self.run(x_prev, {self.site: x_t})
-        # A missing observation's own site is left out; the step's other observed sites are not.
-        skipped = set(missing_observation_sites(trace, self.y, f"step {self.t}")) if self.missing else set()
-        names = [name for name, node in trace.nodes.items() if is_scored(node) and (name == self.site or (node["is_observed"] and name not in skipped))]
-        return _sum_per_sample(trace, names, x_t.shape[0], x_t), state
+        return _sum_per_sample(trace, [self.site] + self._likelihood_sites(trace), x_t.shape[0], x_t), state
 
     def log_likelihood(self, x: Tensor, x_prev: Tensor | None) -> Tensor:
         """``log g(y_t | x)`` at one state ``x`` ``(d,)`` (from ``x_prev`` ``(1, d)``), a scalar."""
         trace, _ = self.run(x_prev, {self.site: x.unsqueeze(0)})
         return _sum_per_sample(trace, self._likelihood_sites(trace), 1, x).sum()
 
-    def observes(self, x: Tensor, x_prev: Tensor | None) -> bool:
-        """Whether the step scores any observed site at ``x`` ``(d,)``: at a missing observation,
-        a second observation or a ``pyro.factor`` of the step."""
-        trace, _ = self.run(x_prev, {self.site: x.unsqueeze(0)})
+    def observes(self, prior: Discovery) -> bool:
+        """Whether the step scores any observed site (at a missing observation: a second
+        observation or a ``pyro.factor`` of the step), from one run at the discovery's draws."""
+        x_prev = None if prior.x_prev is None else prior.x_prev[:1]
+        trace, _ = self.run(x_prev, {self.site: prior.x_prior.reshape(-1, prior.x_prior.shape[-1])[:1]})
         return bool(self._likelihood_sites(trace))
 
     def _likelihood_sites(self, trace: Trace) -> list[str]:
-        """The observed sites of a run that make ``g(y_t | x_t)``: all but the latent site and,
-        at a missing observation, the site that takes it."""
+        """The observed sites of a run that make ``g(y_t | x_t)``: all but the latent site (which
+        the run conditions on) and, at a missing observation, the site that takes it; the step's
+        other observed sites stay."""
         skipped = set(missing_observation_sites(trace, self.y, f"step {self.t}")) if self.missing else set()
         return [name for name, node in trace.nodes.items() if is_scored(node) and node["is_observed"] and name != self.site and name not in skipped]
 

@@ -293,7 +293,7 @@ class OnlineVariationalFilter:
             # A missing observation's step may still observe something (a second sensor, a
             # pyro.factor): its Laplace start then takes that in (from the bare prediction the
             # optimiser left variances 8-9 times the exact ones, unflagged).
-            laplace = self.initialize == "laplace" and (not missing or context.observes(prior.x_prior.reshape(-1, self.guide.state_dim)[0], None if prior.x_prev is None else prior.x_prev[:1]))
+            laplace = self.initialize == "laplace" and (not missing or context.observes(prior))
             initialise(self.guide, context, prior, laplace=laplace)
             check_marginal(self.guide, where)
         self._optimiser.fit(context, self._value)

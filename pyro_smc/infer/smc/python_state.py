@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import random
 import sys
+import sysconfig
 import types
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -355,7 +357,16 @@ def _user_module(module: types.ModuleType) -> bool:
     """Whether ``module`` is the user's own: neither the standard library's nor torch's, Pyro's,
     NumPy's or this package's, whose attributes are functions and constants."""
     top = module.__name__.split(".")[0]
-    return top not in _LIBRARIES and top not in _OWN_CODE and top not in sys.stdlib_module_names and not top.startswith("_")
+    return top not in _LIBRARIES and top not in _OWN_CODE and not _standard_library(module) and not top.startswith("_")
+
+
+def _standard_library(module: types.ModuleType) -> bool:
+    names = getattr(sys, "stdlib_module_names", None)  # Python 3.10+
+    if names is not None:
+        return module.__name__.split(".")[0] in names
+    # Python 3.9: by where the module lives (built-in modules have no file).
+    path = getattr(module, "__file__", None)
+    return path is None or os.path.realpath(path).startswith(os.path.realpath(sysconfig.get_paths()["stdlib"]))
 
 
 def _global_names(code: types.CodeType) -> set[str]:
@@ -391,22 +402,15 @@ class GradModeWatch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not self.switched and (torch.is_grad_enabled() != self.grad_enabled or torch.is_inference_mode_enabled()):
             self.switched = not _called_by_library()
-        result = func(*args, **(kwargs or {}))
-        # A Python truth value computed from tensors is a constant of the recording.
-        if self.value_read is None and type(result) is bool and _reads_values(func):
-            self.value_read = getattr(func, "__name__", repr(func))
-        return result
+        if self.value_read is None and getattr(func, "__name__", "") in _SILENT_VALUE_READS:
+            # A Python truth value computed from tensors is a constant of the recording.
+            self.value_read = func.__name__
+        return func(*args, **(kwargs or {}))
 
 
 # Operations that compute a Python truth value from tensors' values without the tracer's warning
 # (bool(), item() and the like warn, which the recording's check reads).
 _SILENT_VALUE_READS = frozenset({"equal", "allclose", "is_nonzero"})
-
-
-def _reads_values(func: Any) -> bool:
-    """Whether ``func`` (an operation that returned a Python bool or number) read tensor values
-    where the tracer does not say so."""
-    return getattr(func, "__name__", "") in _SILENT_VALUE_READS
 
 
 # torch's wrappers between a caller and the operation it calls (Tensor's Python dunders).

@@ -302,7 +302,8 @@ class TraceChecks:
             if not self.guide_dtype_checked:
                 # Before the observation's check, which would blame the model for the guide's dtype.
                 self.guide_dtype_checked = check_guide_dtype(model_trace, guide_trace, where)
-        check_observed_shapes(model_trace, self.particle_shape, where, inputs.args[0] if inputs.bare and inputs.args and isinstance(inputs.args[0], torch.Tensor) else None)
+        # A step's slice of a series (not a batch's (B, 1, ...) rows) has none of the engine's dims.
+        check_observed_shapes(model_trace, self.particle_shape, where, inputs.args[0] if inputs.bare and inputs.args else None)
         self.discrete_keys |= discrete_state_keys(model_trace, state)
         kept = latent_kept_outside_state(model_trace, state, self.model)
         if kept is not None:
