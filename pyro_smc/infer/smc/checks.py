@@ -58,7 +58,8 @@ class ParticleDegeneracyWarning(UserWarning):
     truth (its variance grows exponentially in the number of collapsed steps) and the filtering
     means follow a single path. Emitted once per :meth:`SMC.run <pyro_smc.SMC.run>` when, in
     some filter, at least a fifth of the steps, and at least two, end with an effective sample
-    size below 2 (with ``num_particles >= 4``). Remedies: more particles, a proposal that looks at the observation
+    size below 2 (with ``num_particles >= 4``), or when at one step at least half of the filters
+    do so with ``num_particles >= 50`` (an observation far in the tail of the prediction). Remedies: more particles, a proposal that looks at the observation
     (a guide), or a less sharp observation model.
 
     Example:
@@ -95,9 +96,15 @@ def check_resampler(resampler: Any) -> None:
         raise ValueError(f"resampler must be callable (particles, log_weights), got {resampler!r}")
 
 
+# With at least this many particles, a step at which most filters' ESS falls below 2 is warned
+# about on its own.
+_TOGETHER_MIN_PARTICLES = 50
+
+
 def warn_degenerate_weights(ess_history: Tensor, num_particles: int) -> None:
     """Emits :class:`ParticleDegeneracyWarning` when, in some filter, at least a fifth of the
-    steps, and at least two, end with ESS below 2. ``ess_history`` is ``(T, B)``."""
+    steps, and at least two, end with ESS below 2, or when, with at least 50 particles, at least
+    half of the filters end one step with ESS below 2. ``ess_history`` is ``(T, B)``."""
     if num_particles < 4 or ess_history.numel() == 0:
         return
     collapsed = ess_history < 2  # (T, B)
@@ -114,6 +121,26 @@ def warn_degenerate_weights(ess_history: Tensor, num_particles: int) -> None:
                 f"first at time step {first}: log_evidence and the filtering means then rest on one particle per step and are "
                 "unreliable (log_evidence typically far too low). Use more particles, a guide that proposes from the "
                 "observation, or check the observation noise"
+            ),
+            stacklevel=3,
+        )
+        return
+    # Nor is one step at which most filters of many particles collapse at once: an observation
+    # far in the tail of the prediction, whose increment then rests on one particle in every
+    # filter (a float32 two-sensor model: log Z 82 nats low from one such step, with no warning).
+    if num_particles < _TOGETHER_MIN_PARTICLES:
+        return
+    together = collapsed.float().mean(1) >= 0.5  # (T,)
+    if bool(together.any()):
+        first = int(together.nonzero()[0, 0])
+        share = int(collapsed[first].sum())
+        filters = f"{share} of {collapsed.shape[1]} filters" if collapsed.shape[1] > 1 else "the filter"
+        warnings.warn(
+            ParticleDegeneracyWarning(
+                f"at time step {first} the weights of {filters} collapsed onto about one particle (ESS < 2 of {num_particles}): "
+                "the observation lies far in the tail of the particles' prediction, and log_evidence rests on one particle "
+                "there (typically far too low). Use more particles, a guide that proposes from the observation, or check "
+                "the observation and its noise"
             ),
             stacklevel=3,
         )

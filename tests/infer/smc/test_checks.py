@@ -332,3 +332,30 @@ def test_a_vector_series_on_a_scalar_model_is_refused_whatever_the_particle_coun
         SMC(_ScalarWalk(), num_particles=num_particles).run(torch.randn(5, 2))
     # A batch of sequences passes (B, 1, ...) by design: one row per filter.
     SMC(_ScalarWalk(), num_particles=num_particles, num_filters=2).run(torch.randn(2, 5), batched=True)
+
+
+def test_one_step_at_which_most_filters_collapse_is_warned_about():
+    """An observation far in the tail of the prediction collapses every filter at that step: log Z
+    then rests on one particle (82 nats low on a two-sensor model) and the run-level rule (a fifth
+    of the steps) stayed silent. A clean run of the same model says nothing."""
+    g = torch.Generator().manual_seed(0)
+    ys = torch.randn(40, generator=g).cumsum(0)
+    ys_outlier = ys.clone()
+    ys_outlier[20] += 8.0
+    with pytest.warns(ParticleDegeneracyWarning, match="at time step 20 the weights of 20 of 20 filters collapsed"):
+        SMC(_ScalarWalkSharp(), num_particles=100, num_filters=20).run(ys_outlier)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParticleDegeneracyWarning)
+        SMC(_ScalarWalkSharp(0.5), num_particles=100, num_filters=20).run(ys)
+
+
+class _ScalarWalkSharp:
+    def __init__(self, noise=0.3):
+        self.noise = noise
+
+    def init(self, state):
+        pass
+
+    def step(self, state, y=None):
+        state["x"] = pyro.sample("x", dist.Normal(state.get("x", torch.zeros(())), 1.0))
+        pyro.sample("y", dist.Normal(state["x"], self.noise), obs=y)
