@@ -215,10 +215,30 @@ class MatrixNormal(TorchDistribution):
         n, p = self.event_shape
         last = getattr(self, "_last_draw", None)
         if last is not None and value is last[0] and self._versions(value) == last[2]:
-            maha = last[1].square().sum((-2, -1))
+            maha = self._own_draw_mahalanobis(value, last[1])
         else:
             maha = kron_tril_mahalanobis(self.scale_tril_row, self.scale_tril_col, value - self.loc)
         return -0.5 * maha - kron_tril_logdet(self.scale_tril_row, self.scale_tril_col) - 0.5 * n * p * math.log(2 * math.pi)
+
+    def _own_draw_mahalanobis(self, value: Tensor, eps: Tensor) -> Tensor:
+        r"""The Mahalanobis term of the last draw, :math:`\|E\|^2`, with the gradients of the solved
+        form :math:`\|L_{\mathrm{row}}^{-1} (W - M) L_{\mathrm{col}}^{-\top}\|^2` in the value and the parameters,
+        written with the known noise (each gradient term is zero in value). Without them
+        :math:`\nabla_W \log q(W)` at one's own draw was silently zero (path-derivative and DReG
+        estimators, Langevin moves). With :math:`G = L_{\mathrm{row}}^{-\top} E L_{\mathrm{col}}^{-1}`: the gradient is
+        :math:`2G` in ``W``, :math:`-2G` in ``M``, :math:`-2 L_{\mathrm{row}}^{-\top} E E^\top` in :math:`L_{\mathrm{row}}` and
+        :math:`-2 L_{\mathrm{col}}^{-\top} E^\top E` in :math:`L_{\mathrm{col}}` (lower triangles)."""
+        maha = eps.square().sum((-2, -1))
+        tensors = (value, self.loc, self.scale_tril_row, self.scale_tril_col)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return maha
+        row, col = self.scale_tril_row.detach(), self.scale_tril_col.detach()
+        solve = torch.linalg.solve_triangular
+        g = solve(col, solve(row.mT, eps, upper=True), upper=False, left=False)
+        g_row = solve(row.mT, eps @ eps.mT, upper=True).tril()
+        g_col = solve(col.mT, eps.mT @ eps, upper=True).tril()
+        terms = zip((g, -g, -g_row, -g_col), tensors)
+        return maha + 2 * sum((grad * (t - t.detach())).sum((-2, -1)) for grad, t in terms)
 
     def entropy(self) -> Tensor:
         """The differential entropy, ``(batch_shape)``."""

@@ -166,7 +166,7 @@ class MultiOutputGP(PyroModule):
         if noise is None:
             noise = 0.1 * self.variance.detach()
         self.noise = PyroParam(_hyperparameter("noise", noise, (E,), X), constraints.positive)
-        self._cache: tuple[tuple, _Posterior] | None = None
+        self._cache: tuple[tuple[tuple, Tensor], _Posterior] | None = None  # ((key, Y), posterior)
         self._pinned: _Posterior | None = None
 
     @property
@@ -259,16 +259,22 @@ class MultiOutputGP(PyroModule):
             # Differentiable in the hyperparameters and data: built with its graph and never
             # cached (a cached graph would be backpropagated through twice, or keep stale values).
             return self._compute_posterior(self.X, self.Y, hyper)
-        # Cached under the current hyperparameter values and data (compared by value and version).
+        # Cached under the current hyperparameter values and data, compared by value: an address
+        # and version counter missed a new Y allocated where a freed one had been (4 stale
+        # predictions in 20 reassignments) and writes through ``.data``, which bump no version.
+        # The cache holds copies, so that such writes cannot reach the cached posterior either.
+        # Comparing costs O(n (D + E)), far below a prediction.
         with torch.no_grad():
             hyper = tuple(h.detach() for h in hyper)
-            key = (self.X.data_ptr(), self.X._version, self.Y.data_ptr(), self.Y._version, self.X.dtype, self.X.device, self.jitter)
+            X, Y = self.X.detach(), self.Y.detach()
+            key = (X.dtype, X.device, X.shape, Y.shape, self.jitter)
             if self._cache is not None:
-                old_key, post = self._cache
-                if old_key == key and all(torch.equal(h, c) for h, c in zip(hyper, post[3:])):
+                (old_key, old_y), post = self._cache
+                if old_key == key and torch.equal(X, post.X) and torch.equal(Y, old_y) and all(torch.equal(h, c) for h, c in zip(hyper, post[3:])):
                     return post
-            post = self._compute_posterior(self.X.detach(), self.Y.detach(), tuple(h.clone() for h in hyper))
-        self._cache = (key, post)
+            X, Y = X.clone(), Y.clone()
+            post = self._compute_posterior(X, Y, tuple(h.clone() for h in hyper))
+        self._cache = ((key, Y), post)
         return post
 
     @contextlib.contextmanager

@@ -66,14 +66,15 @@ def _coordinate(x: Tensor, dim: int, name: str) -> Tensor:
     return flat[:, dim]
 
 
-def _band(obj: Any, key: str | None, dim: int, filter: int, level: float) -> tuple[Tensor, Tensor | None, Tensor | None, str]:
-    """``(mean, lower, upper, what)``, each ``(T,)``; no band when the object holds none."""
+def _band(obj: Any, key: str | None, dim: int, filter: int, level: float) -> tuple[Tensor, Tensor | None, Tensor | None, str, str]:
+    """``(mean, lower, upper, what, name)``: the curves, each ``(T,)`` (no band when the object
+    holds none), and the state key plotted (``"x"`` for a Gaussian result)."""
     lo, hi = (1 - level) / 2, (1 + level) / 2
     if isinstance(obj, _GAUSSIAN):
         mean = _coordinate(obj.means, dim, "the means")
         sd = _coordinate(obj.covariances.diagonal(dim1=-2, dim2=-1), dim, "the covariances").clamp(min=0).sqrt()
         z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(hi, dtype=torch.float64)))
-        return mean, mean - z * sd, mean + z * sd, "Gaussian marginal"
+        return mean, mean - z * sd, mean + z * sd, "Gaussian marginal", "x"
     if isinstance(obj, SMC):
         means = obj.filtering_means
         key = _only_key(means, key)
@@ -81,9 +82,9 @@ def _band(obj: Any, key: str | None, dim: int, filter: int, level: float) -> tup
             raise ValueError(f"filter={filter} is out of range for {obj.num_filters} filter(s)")
         mean = _coordinate(means[key][:, filter], dim, f"state key {key!r}")
         if not obj.store_history:
-            return mean, None, None, "filtering mean"
+            return mean, None, None, "filtering mean", key
         q = obj.filtering_quantiles([lo, hi], key)[:, :, filter]  # (2, T, *event)
-        return mean, _coordinate(q[0], dim, key), _coordinate(q[1], dim, key), "filtering"
+        return mean, _coordinate(q[0], dim, key), _coordinate(q[1], dim, key), "filtering", key
     if isinstance(obj, dict):  # SMC.smooth's trajectories {key: (S, T, B, *event)}
         key = _only_key(obj, key)
         paths = obj[key]
@@ -92,7 +93,7 @@ def _band(obj: Any, key: str | None, dim: int, filter: int, level: float) -> tup
         paths = paths[:, :, filter].double()
         paths = paths.reshape(paths.shape[0], paths.shape[1], -1)[..., dim]  # (S, T)
         q = torch.quantile(paths, torch.tensor([lo, hi], dtype=paths.dtype), dim=0)
-        return paths.mean(0), q[0], q[1], "smoothed"
+        return paths.mean(0), q[0], q[1], "smoothed", key
     raise TypeError(f"plot_means takes an SMC run, SMC.smooth's trajectories or a Gaussian result, got a {type(obj).__name__}")
 
 
@@ -142,7 +143,7 @@ def plot_means(
     """
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level!r}")
-    mean, lower, upper, what = _band(obj, key, dim, filter, level)
+    mean, lower, upper, what, name = _band(obj, key, dim, filter, level)
     ax = _axes(ax)
     t = range(mean.shape[0])
     (line,) = ax.plot(t, _numpy(mean), color=color, lw=1.5, label=label or f"{what} mean")
@@ -152,7 +153,7 @@ def plot_means(
         true = truth.reshape(truth.shape[0], -1)[:, dim] if truth.dim() > 1 else truth
         ax.plot(range(true.shape[0]), _numpy(true), color="black", lw=1, ls="--", label="truth")
     ax.set_xlabel("time step")
-    ax.set_ylabel(f"x[{dim}]" if key is None else f"{key}[{dim}]")
+    ax.set_ylabel(f"{name}[{dim}]")
     ax.legend(loc="best", fontsize="small", frameon=False)
     return ax
 

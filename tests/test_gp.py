@@ -99,6 +99,31 @@ def test_predictions_follow_hyperparameters_and_cache():
     assert torch.allclose(v3, v4 + 0.5)
 
 
+def test_the_cached_posterior_follows_the_data_however_it_changes():
+    """Before: the cache was keyed on the data's address and version counter. A new ``Y``
+    allocated where a freed one had lived returned the old posterior (4 stale predictions in 20
+    reassignments), and writes through ``.data`` bump no version (a doubled ``Y`` predicted as
+    before; a doubled ``X`` mixed the new inputs with the old weights). Every prediction now
+    equals a freshly built GP's."""
+    X = torch.linspace(-2, 2, 15, dtype=torch.float64).unsqueeze(-1)
+    x = torch.tensor([[0.3], [1.1]], dtype=torch.float64)
+    model = MultiOutputGP(X, torch.sin(X), noise=1e-2)
+
+    def fresh():
+        return MultiOutputGP(model.X.detach().clone(), model.Y.detach().clone(), model.lengthscale.detach(), model.variance.detach(), model.noise.detach())
+
+    with torch.no_grad():
+        for k in range(1, 41):
+            model.Y = torch.sin(X) + 0.1 * k
+            if k % 2 == 0:
+                assert torch.allclose(model.predict(x)[0], fresh().predict(x)[0], atol=1e-12), k
+        model.Y.data.mul_(2)
+        assert torch.allclose(model.predict(x)[0], fresh().predict(x)[0], atol=1e-12)
+        model.X.data.mul_(2)
+        for a, b in zip(model.predict(x), fresh().predict(x)):
+            assert torch.allclose(a, b, atol=1e-12)
+
+
 def test_predict_moments_and_linearize():
     model = _random_gp(2)
     mean, cov = torch.tensor([0.2, -0.1]), torch.tensor([[0.2, 0.05], [0.05, 0.1]])

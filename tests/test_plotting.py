@@ -86,3 +86,22 @@ def test_wrong_inputs_are_named(run):
         plot_ep_iterations(ssm.rts_smoother(ys))
     with pytest.raises(TypeError, match="plot_ess takes"):
         plot_ess(ssm.rts_smoother(ys))
+
+
+def test_the_axis_names_the_state_key_plotted(run):
+    """The y-axis named ``x[dim]`` whenever ``key`` was left to its default, whatever the only
+    state key was called."""
+    import pyro
+    import pyro.distributions as dist
+
+    class Walk:
+        def init(self, state):
+            pass
+
+        def step(self, state, y=None):
+            state["level"] = pyro.sample("level", dist.Normal(state.get("level", torch.zeros(())), 1.0))
+            pyro.sample("y", dist.Normal(state["level"], 1.0), obs=y)
+
+    smc = SMC(Walk(), num_particles=50).run(torch.randn(5))
+    assert plot_means(smc).get_ylabel() == "level[0]"
+    assert plot_means(run[3], dim=1).get_ylabel() == "x[1]"

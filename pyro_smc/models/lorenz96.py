@@ -202,4 +202,24 @@ class Lorenz96SSM(NonlinearGaussianSSM):
             init_mean,
             float(init_var) * eye,
         )
-        self.forcing, self.dt, self.observation_kind = float(forcing), float(dt), observation
+        self._forcing, self._dt, self.observation_kind = float(forcing), float(dt), observation
+
+    # Read-only: the transition was built from them (and the default initial mean spun up with
+    # them), so assigning one used to change nothing and say nothing.
+    @property
+    def forcing(self) -> float:
+        """:math:`F`, as built (read-only: build a new model for another forcing)."""
+        return self._forcing
+
+    @forcing.setter
+    def forcing(self, value: float) -> None:
+        raise AttributeError(f"Lorenz96SSM.forcing is fixed when the model is built (the transition uses it); build Lorenz96SSM(..., forcing={value!r}) instead")
+
+    @property
+    def dt(self) -> float:
+        """The RK4 step, as built (read-only: build a new model for another step)."""
+        return self._dt
+
+    @dt.setter
+    def dt(self, value: float) -> None:
+        raise AttributeError(f"Lorenz96SSM.dt is fixed when the model is built (the transition uses it); build Lorenz96SSM(..., dt={value!r}) instead")

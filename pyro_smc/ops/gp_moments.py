@@ -33,7 +33,8 @@ mat-vec with ``beta_b``. Pairs run one at a time (the block stays in cache) afte
 factors are built in batches; memory stays below ``chunk_size`` elements per temporary. The
 ``E (E + 1) / 2`` exponentials dominate (about 0.26 G of them at ``E = 56``, ``n = 403``). Since
 :math:`Q^{ab} / (\alpha_a^2 \alpha_b^2)` depends only on ``(l_a, l_b)``, outputs with equal lengthscales are
-grouped: a pair of groups costs one exponential, so a shared lengthscale costs one in all.
+grouped: a pair of groups costs one exponential, so a shared lengthscale costs one in all (unless
+the lengthscales require grad: each output then needs its own terms for its own gradient).
 
 See ``docs/math/ep.md#exact-moments-of-a-gp-at-a-gaussian-input`` and ``docs/math/ep.md#gp-regression-with-se-ard-kernels``.
 
@@ -264,7 +265,13 @@ def _second_moments(
     # Q^{ab} = alpha_a^2 alpha_b^2 Q(l_a, l_b): outputs with equal lengthscales form a group, and a
     # pair of groups costs one n x n exponential whatever the number of outputs in them.
     B, n, D = nu.shape
-    _, group = torch.unique(lengthscale.detach(), dim=0, return_inverse=True)
+    if torch.is_grad_enabled() and lengthscale.requires_grad:
+        # Each output its own group: a group's Q is built from its first member's lengthscale, so
+        # the gradient of every member's terms would reach that member alone (d V_bb / d l_b came
+        # out 0.78 where the truth is 0.0047, the two outputs' gradients swapped and summed).
+        group = torch.arange(lengthscale.shape[0], device=lengthscale.device)
+    else:
+        _, group = torch.unique(lengthscale.detach(), dim=0, return_inverse=True)
     members = [torch.nonzero(group == g).squeeze(-1) for g in range(int(group.max()) + 1)]
     ells = lengthscale[torch.stack([m[0] for m in members])]  # indexing keeps gradients
     weights = [beta[m] * variance[m].unsqueeze(-1) for m in members]  # alpha_a^2 beta_a

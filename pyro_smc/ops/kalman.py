@@ -274,7 +274,11 @@ def kalman_filter(ys: Tensor, A: Tensor, Q: Tensor, C: Tensor, R: Tensor, init_m
     _check_inputs(ys, A=A, Q=Q, C=C, R=R, init_mean=init_mean, init_cov=init_cov)
     observed = check_ys(ys)
     means, covs, pmeans, pcovs, lls = [], [], [], [], []
-    m, P = init_mean, init_cov
+    # Every step's moments carry the batch of all the model's tensors: with only A batched the
+    # first step's would otherwise lack it, and stacking the steps failed.
+    batch = torch.broadcast_shapes(A.shape[:-2], Q.shape[:-2], C.shape[:-2], R.shape[:-2], init_mean.shape[:-1], init_cov.shape[:-2])
+    d = init_mean.shape[-1]
+    m, P = init_mean.expand(batch + (d,)), init_cov.expand(batch + (d, d))
     for t in range(ys.shape[0]):
         try:
             if t > 0:

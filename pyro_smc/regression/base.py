@@ -141,10 +141,12 @@ class Regressor(abc.ABC):
         return out.reshape(batch) if self._vector_targets else out.reshape(*batch, self._k)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to predict identically after :meth:`load_state_dict`: tensors and hyperparameters."""
+        """Everything needed to predict identically after :meth:`load_state_dict`: tensors and
+        hyperparameters, as a snapshot (copies: a later :meth:`fit`, which may update the weights
+        in place, does not change it)."""
         state = {"type": type(self).__name__, "fitted": self._fitted, "d": self._d, "k": self._k, "vector_targets": self._vector_targets}
         state.update(self._get_state())
-        return state
+        return _snapshot(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same class (hyperparameters included); tensors are copied."""
@@ -171,3 +173,14 @@ class Regressor(abc.ABC):
 
     @abc.abstractmethod
     def _set_state(self, state: dict[str, Any]) -> None: ...
+
+
+def _snapshot(value: Any) -> Any:
+    """``value`` with every tensor inside (lists, tuples and dicts included) detached and copied."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(item) for item in value)
+    return value

@@ -115,3 +115,13 @@ def test_gaussian_engines_run_on_it():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Lorenz96SSM(**{"state_dim": 6, **kwargs})
+
+
+def test_forcing_and_step_are_read_only():
+    """Before: ``ssm.forcing = 12`` was accepted and changed nothing (the transition is built from
+    the forcing and the step): a silent no-op. Now it is an error naming the remedy."""
+    ssm = Lorenz96SSM(8, dtype=torch.float64)
+    for name in ("forcing", "dt"):
+        with pytest.raises(AttributeError, match=f"{name} is fixed when the model is built"):
+            setattr(ssm, name, 12.0)
+    assert ssm.forcing == 8.0 and ssm.dt == 0.05

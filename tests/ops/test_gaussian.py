@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyro_smc.ops.gaussian import check_psd, damp, divide, is_proper, multiply, psd_repair, to_moment, to_natural, tril_from_vector, tril_to_vector
+from pyro_smc.ops.gaussian import check_psd, damp, divide, is_proper, moment_change, multiply, psd_repair, to_moment, to_natural, tril_from_vector, tril_to_vector
 from tests.property_cases import BATCH, BUG, F32, F64, FLOAT_DTYPES, PROPERTY, SEEDS, eps, gen, random_tril
 
 
@@ -142,3 +142,32 @@ def test_gaussian_conversions_reject_non_positive_definite_matrices(d, seed, whi
     fn = to_natural if which == "to_natural" else to_moment
     with pytest.raises(ValueError):
         fn(torch.zeros(d, dtype=F64), matrix)
+
+
+def test_moment_change_is_in_units_of_the_spread():
+    """The change is the same after any rescaling of the state, and names the larger of the
+    mean's and the covariance's relative change."""
+    g = torch.Generator().manual_seed(0)
+    m0, m1 = torch.randn(5, 2, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g, dtype=torch.float64)
+    a = torch.randn(5, 2, 2, generator=g, dtype=torch.float64)
+    p0, p1 = a @ a.mT + torch.eye(2), a @ a.mT + 1.1 * torch.eye(2)
+    change = moment_change(m1, p1, m0, p0)
+    sd = torch.diagonal(p1, dim1=-2, dim2=-1).sqrt()
+    expected = max(float(((m1 - m0).abs() / sd).max()), float(((p1 - p0).abs() / (sd[..., None] * sd[..., None, :])).max()))
+    assert change == pytest.approx(expected, rel=1e-12)
+    for s in (1e-6, 1e6):
+        assert moment_change(s * m1, s**2 * p1, s * m0, s**2 * p0) == pytest.approx(change, rel=1e-9)
+
+
+def test_check_psd_judges_symmetry_relative_to_the_matrix():
+    """Before: asymmetry was compared with 1e-6 * max(1, largest entry), so a covariance of
+    entries near 1e-6 passed whatever its upper triangle held, and the filters then read it
+    neither as its lower triangle nor as its symmetric part. The same matrix scaled up fails
+    as it always did; rounding-level asymmetry passes at any scale."""
+    bad = torch.tensor([[1e-6, 9e-7], [0.0, 1e-6]], dtype=torch.float64)
+    for scale in (1.0, 1e6, 1e-6):
+        with pytest.raises(ValueError, match="Q must be symmetric"):
+            check_psd("Q", scale * bad)
+        good = scale * torch.tensor([[2.0, 0.5], [0.5 * (1 + 1e-9), 1.0]], dtype=torch.float64)
+        check_psd("Q", good)
+    check_psd("Q", torch.stack([torch.eye(2), 1e-9 * torch.eye(2)]))  # each matrix its own scale

@@ -240,3 +240,23 @@ def test_ys_of_the_wrong_shape_is_an_error_naming_ys(shape):
     A, Q, C, R, m0, P0, _ = _random_model(2, 2, 0)
     with pytest.raises(ValueError, match=r"ys must have shape \(T, 2\)"):
         kalman_filter(torch.zeros(shape), A, Q, C, R, m0, P0)
+
+
+def test_a_batch_in_one_matrix_alone_equals_a_loop():
+    """Before: a batch of transition matrices with unbatched Q, C, R and prior failed with a raw
+    ``stack expects each tensor to be equal size`` (the first step's moments lacked the batch),
+    though the docstring says batch dimensions broadcast. Each batch member equals its own run."""
+    g = torch.Generator().manual_seed(0)
+    d, dy, T = 3, 2, 6
+    A = 0.5 * torch.randn(4, d, d, generator=g, dtype=torch.float64)
+    Q, R = 0.5 * torch.eye(d, dtype=torch.float64), 0.3 * torch.eye(dy, dtype=torch.float64)
+    C = torch.randn(dy, d, generator=g, dtype=torch.float64)
+    m0, P0 = torch.zeros(d, dtype=torch.float64), torch.eye(d, dtype=torch.float64)
+    ys = torch.randn(T, dy, generator=g, dtype=torch.float64)
+    batched = kalman_filter(ys, A, Q, C, R, m0, P0)
+    smoothed = rts_smoother(batched, A)
+    assert batched.means.shape == (T, 4, d) and smoothed.means.shape == (T, 4, d)
+    for b in range(4):
+        one = kalman_filter(ys, A[b], Q, C, R, m0, P0)
+        assert torch.allclose(batched.means[:, b], one.means) and torch.allclose(batched.log_evidence[b], one.log_evidence)
+        assert torch.allclose(smoothed.means[:, b], rts_smoother(one, A[b]).means)

@@ -134,8 +134,12 @@ class EPSmoother:
             (``docs/math/ep.md#power-ep``). 1 is plain EP. Exact on a linear-Gaussian model
             for every power.
         tol: stop when no marginal's mean or covariance entry changed by more than this in a
-            sweep, the change divided by the sweep's damping (what the undamped sweep would
-            change), so that heavy damping cannot stop the sweeps early.
+            sweep, in units of the marginal's spread (a mean by ``tol`` standard deviations, a
+            covariance entry by ``tol`` times the product of two; :func:`~pyro_smc.ops.gaussian.moment_change`),
+            so that the rule reads the same in any units of the state (floored at 100 machine
+            epsilons, :func:`~pyro_smc.ops.gaussian.moment_change_floor`: 1.2e-5 in float32); the change is divided by the
+            sweep's damping (what the undamped sweep would change), so that heavy damping cannot stop
+            the sweeps early.
         gradient: how the results are differentiated in the model's tensors (its parameters):
             ``"implicit"`` (default) by implicit differentiation at the EP fixed point, with the
             memory of two sweeps whatever the number of sweeps; the backward pass raises if EP did

@@ -51,6 +51,7 @@ from pyro_smc.infer.gaussian.result import EPIteration, GaussianSmootherResult
 from pyro_smc.infer.gaussian.smoothers import extended_rts_smoother, gaussian_smoother
 from pyro_smc.models.nonlinear_gaussian import is_gp
 from pyro_smc.models.protocol import GaussianStateSpaceModel
+from pyro_smc.ops.gaussian import moment_change, moment_change_floor
 
 __all__ = ["NominalLinearization", "iterated_extended_rts_smoother"]
 
@@ -121,7 +122,9 @@ def iterated_extended_rts_smoother(ssm: GaussianStateSpaceModel, observations: T
         ssm: a :class:`~pyro_smc.models.protocol.GaussianStateSpaceModel` (state dim ``d``).
         observations: ``(T, e)``, NaN for missing entries (the rule of the Gaussian smoothers).
         num_iter: the most smoother passes, the extended smoother included (1: the EKS).
-        tol: stop when no smoothed mean or covariance entry changed by more than this.
+        tol: stop when no smoothed mean or covariance entry changed by more than this, in units
+            of the marginal's spread (:func:`~pyro_smc.ops.gaussian.moment_change`): the same in any
+            units of the state.
 
     Returns:
         :class:`~pyro_smc.infer.gaussian.result.GaussianSmootherResult`: the last pass's
@@ -157,10 +160,10 @@ def iterated_extended_rts_smoother(ssm: GaussianStateSpaceModel, observations: T
     history, converged = [EPIteration(float("inf"), 0)], int(num_iter) == 1
     for _ in range(int(num_iter) - 1):
         new = gaussian_smoother(ssm, observations, NominalLinearization(result.means.detach()))
-        change = max(float((new.means - result.means).abs().max()), float((new.covariances - result.covariances).abs().max()))
+        change = moment_change(new.means, new.covariances, result.means, result.covariances)
         history.append(EPIteration(change, 0))
         result = new
-        if change <= tol:
+        if change <= max(tol, moment_change_floor(result.means.dtype)):
             converged = True
             break
     return GaussianSmootherResult(

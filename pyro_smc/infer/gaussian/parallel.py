@@ -41,7 +41,7 @@ from pyro_smc.infer.gaussian.sequential import SequentialSchedule
 from pyro_smc.infer.gaussian.sites import Sites, failure_hint
 from pyro_smc.infer.gaussian.smoothers import SmootherPass, smoother_pass
 from pyro_smc.ops.affine_chain import affine_chain_smoother
-from pyro_smc.ops.gaussian import NotPositiveDefiniteError, check_finite_steps, is_proper, symmetrize, to_moment, to_natural
+from pyro_smc.ops.gaussian import NotPositiveDefiniteError, check_finite_steps, is_proper, moment_change, moment_change_floor, symmetrize, to_moment, to_natural
 from pyro_smc.ops.kalman import mask_missing
 
 __all__ = ["CavityLayout", "ParallelIteration", "ParallelSchedule"]
@@ -203,12 +203,12 @@ class ParallelSchedule:
         gamma, step, residual = settings.damping, 1.0, float("inf")
         for _ in range(len(history), settings.max_iter):
             fitted = self.checked_iteration(cavities, theta, problem, gamma, len(history))
-            change = max(float((fitted.means - means).detach().abs().max()), float((fitted.covariances - covs).detach().abs().max()))
+            change = moment_change(fitted.means, fitted.covariances, means, covs)
             theta, means, covs = fitted.theta, fitted.means, fitted.covariances
             settings.record(history, EPIteration(change, fitted.skipped))
             # The change the undamped map would make, so that damping cannot fake convergence.
             residual, previous = change / step, residual
-            if residual < settings.tol:
+            if residual < max(settings.tol, moment_change_floor(means.dtype)):
                 converged = True
                 break
             step = gamma

@@ -37,7 +37,8 @@ class EPSettings(NamedTuple):
         max_iter: sweeps (or first sweep plus parallel iterations) at most.
         damping: ``gamma`` in ``(0, 1]``, from the second sweep on.
         power: ``alpha`` in ``(0, 1]`` of power EP, in every sweep (``docs/math/ep.md#power-ep``).
-        tol: stop when no marginal's mean or covariance entry changed by more than this.
+        tol: stop when no marginal's mean or covariance entry changed by more than this, in units
+            of the marginal's spread (:func:`~pyro_smc.ops.gaussian.moment_change`).
         on_iteration: called with each sweep's (or iteration's)
             :class:`~pyro_smc.infer.gaussian.result.EPIteration` as it is recorded: the
             smoother's progress bar and log.

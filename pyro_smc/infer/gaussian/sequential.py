@@ -37,7 +37,7 @@ from pyro_smc.infer.gaussian.result import EPIteration, GaussianSmootherResult
 from pyro_smc.infer.gaussian.schedule import EPProblem, EPRun, EPSettings, FixedPointMap, WarmStart
 from pyro_smc.infer.gaussian.sites import Sites, failure_hint, improper_error, in_sweep, non_finite_error, site_name
 from pyro_smc.infer.gaussian.smoothers import smoother_pass
-from pyro_smc.ops.gaussian import NotPositiveDefiniteError, is_proper, symmetrize, to_natural
+from pyro_smc.ops.gaussian import NotPositiveDefiniteError, is_proper, moment_change, moment_change_floor, symmetrize, to_natural
 
 __all__ = ["SequentialSchedule"]
 
@@ -137,7 +137,7 @@ class SequentialSchedule:
                 means, covs = sites.moments()
             except NotPositiveDefiniteError as error:
                 raise improper_error(sites, len(history), skipped) from error
-            change = float("inf") if previous is None else max(float((means - previous[0]).detach().abs().max()), float((covs - previous[1]).detach().abs().max()))
+            change = float("inf") if previous is None else moment_change(means, covs, *previous)
             if not bool(torch.isfinite(means).all() & torch.isfinite(covs).all()):  # or the sweeps would go on to max_iter
                 raise non_finite_error(sites, len(history))
             self.settings.record(history, EPIteration(change, skipped))
@@ -147,7 +147,7 @@ class SequentialSchedule:
             # The change the undamped sweep would make (as the parallel schedule measures it): a
             # sweep damped by gamma moves about gamma times as far, so heavy damping alone used to
             # stop the sweeps far from the fixed point and report them converged.
-            if change / gamma < self.settings.tol:
+            if change / gamma < max(self.settings.tol, moment_change_floor(means.dtype)):
                 converged = True
                 break
         run = EPRun(sites.pack(), means, covs, means.new_zeros(0), history, first_sweep, converged, self.settings.damping, fits)

@@ -28,6 +28,7 @@ from pyro_smc.infer.smc.smoothing import SMOOTHING_METHODS
 from pyro_smc.resamplers import GradientEstimator, IndexResampler, estimator_of
 
 __all__ = [
+    "DegeneracyMonitor",
     "ESTIMATOR_OPTION",
     "NonReparameterizedGradientWarning",
     "ParticleDegeneracyWarning",
@@ -36,7 +37,6 @@ __all__ = [
     "check_marginal_supported",
     "check_resampler",
     "check_settings",
-    "warn_degenerate_weights",
 ]
 
 
@@ -56,7 +56,8 @@ class ParticleDegeneracyWarning(UserWarning):
 
     The estimate then rests on one particle per step: ``log_evidence`` is typically far below the
     truth (its variance grows exponentially in the number of collapsed steps) and the filtering
-    means follow a single path. Emitted once per :meth:`SMC.run <pyro_smc.SMC.run>` when, in
+    means follow a single path. Emitted once per run (at the end of :meth:`SMC.run <pyro_smc.SMC.run>`, or
+    when ``log_evidence`` or ``result`` is read after :meth:`SMC.step <pyro_smc.SMC.step>` calls) when, in
     some filter, at least a fifth of the steps, and at least two, end with an effective sample
     size below 2 (with ``num_particles >= 4``), or when at one step at least half of the filters
     do so with ``num_particles >= 50`` (an observation far in the tail of the prediction). Remedies: more particles, a proposal that looks at the observation
@@ -101,49 +102,89 @@ def check_resampler(resampler: Any) -> None:
 _TOGETHER_MIN_PARTICLES = 50
 
 
-def warn_degenerate_weights(ess_history: Tensor, num_particles: int) -> None:
-    """Emits :class:`ParticleDegeneracyWarning` when, in some filter, at least a fifth of the
-    steps, and at least two, end with ESS below 2, or when, with at least 50 particles, at least
-    half of the filters end one step with ESS below 2. ``ess_history`` is ``(T, B)``."""
-    if num_particles < 4 or ess_history.numel() == 0:
-        return
-    collapsed = ess_history < 2  # (T, B)
-    per_filter = collapsed.sum(0)
-    worst = int(per_filter.argmax())
-    count, steps = int(per_filter[worst]), collapsed.shape[0]
-    # One collapsed step among a few is common with few particles; a fifth of a run is not.
-    if count >= 2 and 5 * count >= steps:
-        first = int(collapsed[:, worst].nonzero()[0, 0])
-        which = f" in filter {worst}" if collapsed.shape[1] > 1 else ""
-        warnings.warn(
-            ParticleDegeneracyWarning(
-                f"the weights collapsed onto about one particle (ESS < 2 of {num_particles}) at {count} of {steps} steps{which}, "
-                f"first at time step {first}: log_evidence and the filtering means then rest on one particle per step and are "
-                "unreliable (log_evidence typically far too low). Use more particles, a guide that proposes from the "
-                "observation, or check the observation noise"
-            ),
-            stacklevel=3,
-        )
-        return
-    # Nor is one step at which most filters of many particles collapse at once: an observation
-    # far in the tail of the prediction, whose increment then rests on one particle in every
-    # filter (a float32 two-sensor model: log Z 82 nats low from one such step, with no warning).
-    if num_particles < _TOGETHER_MIN_PARTICLES:
-        return
-    together = collapsed.float().mean(1) >= 0.5  # (T,)
-    if bool(together.any()):
-        first = int(together.nonzero()[0, 0])
-        share = int(collapsed[first].sum())
-        filters = f"{share} of {collapsed.shape[1]} filters" if collapsed.shape[1] > 1 else "the filter"
-        warnings.warn(
-            ParticleDegeneracyWarning(
-                f"at time step {first} the weights of {filters} collapsed onto about one particle (ESS < 2 of {num_particles}): "
-                "the observation lies far in the tail of the particles' prediction, and log_evidence rests on one particle "
-                "there (typically far too low). Use more particles, a guide that proposes from the observation, or check "
-                "the observation and its noise"
-            ),
-            stacklevel=3,
-        )
+class DegeneracyMonitor:
+    """Watches the effective sample sizes of a run's steps as they come and emits
+    :class:`ParticleDegeneracyWarning`, once per run, when in some filter at least a fifth of the
+    steps so far, and at least two, ended with ESS below 2, or when, with at least 50 particles,
+    at least half of the filters ended one step with ESS below 2.
+
+    :meth:`SMC.run <pyro_smc.SMC.run>` checks once, after its last step; a loop of
+    :meth:`SMC.step <pyro_smc.SMC.step>` calls is checked whenever its ``log_evidence`` or its
+    ``result`` is read, over the steps taken since the last check (a tally, so reading after every
+    step costs a constant per step).
+
+    Example:
+        >>> import torch
+        >>> monitor = DegeneracyMonitor(num_particles=100)
+        >>> monitor.add(torch.tensor([[1.2], [80.0], [1.5]]))   # (steps, filters)
+        >>> monitor.message() is not None                          # 2 of 3 steps collapsed
+        True
+    """
+
+    def __init__(self, num_particles: int):
+        self.num_particles = num_particles
+        self.steps = 0
+        self._counts: Tensor | None = None  # (B,) collapsed steps per filter
+        self._first: Tensor | None = None  # (B,) first collapsed step per filter, -1 if none
+        self._together: tuple[int, int, int] | None = None  # (step, collapsed filters, filters)
+        self._warned = False
+
+    def add(self, ess: Tensor) -> None:
+        """Takes the ESS of the next steps, ``(k, B)``."""
+        if ess.numel():
+            collapsed = ess.detach() < 2
+            # argmax gives the first maximum: each filter's first collapsed step of these.
+            first = (self.steps + collapsed.int().argmax(0)).masked_fill(~collapsed.any(0), -1)
+            if self._counts is None:
+                self._counts, self._first = collapsed.sum(0), first
+            else:
+                self._counts = self._counts + collapsed.sum(0)
+                self._first = torch.where(self._first >= 0, self._first, first)
+            if self._together is None and self.num_particles >= _TOGETHER_MIN_PARTICLES:
+                together = (collapsed.float().mean(1) >= 0.5).nonzero()
+                if together.numel():
+                    row = int(together[0, 0])
+                    self._together = (self.steps + row, int(collapsed[row].sum()), collapsed.shape[1])
+        self.steps += ess.shape[0]
+
+    def message(self) -> str | None:
+        """What the warning would say about the steps so far; ``None`` if nothing collapsed enough."""
+        if self.num_particles < 4 or self._counts is None:
+            return None
+        worst = int(self._counts.argmax())
+        count = int(self._counts[worst])
+        # One collapsed step among a few is common with few particles; a fifth of a run is not.
+        if count >= 2 and 5 * count >= self.steps:
+            which = f" in filter {worst}" if self._counts.shape[0] > 1 else ""
+            return (
+                f"the weights collapsed onto about one particle (ESS < 2 of {self.num_particles}) at {count} of {self.steps} "
+                f"steps{which}, first at time step {int(self._first[worst])}: log_evidence and the filtering means then rest on "
+                "one particle per step and are unreliable (log_evidence typically far too low). Use more particles, a guide "
+                "that proposes from the observation, or check the observation noise"
+            )
+        # Nor is one step at which most filters of many particles collapse at once: an observation
+        # far in the tail of the prediction, whose increment then rests on one particle in every
+        # filter (a float32 two-sensor model: log Z 82 nats low from one such step, with no warning).
+        if self._together is not None:
+            step, share, num_filters = self._together
+            filters = f"{share} of {num_filters} filters" if num_filters > 1 else "the filter"
+            return (
+                f"at time step {step} the weights of {filters} collapsed onto about one particle (ESS < 2 of "
+                f"{self.num_particles}): the observation lies far in the tail of the particles' prediction, and log_evidence "
+                "rests on one particle there (typically far too low). Use more particles, a guide that proposes from the "
+                "observation, or check the observation and its noise"
+            )
+        return None
+
+    def warn(self, stacklevel: int) -> None:
+        """Emits the warning of :meth:`message`, if any, unless this run has already had it;
+        ``stacklevel`` as for :func:`warnings.warn`, counted from the caller of this method."""
+        if self._warned:
+            return
+        text = self.message()
+        if text is not None:
+            self._warned = True
+            warnings.warn(ParticleDegeneracyWarning(text), stacklevel=stacklevel + 1)
 
 
 def check_marginal_supported(guide: Any, max_plate_nesting: int) -> None:
@@ -223,14 +264,22 @@ def check_smooth_request(store_history: bool, history: list, method: Any, num_sa
         raise ValueError(f"method={method!r} needs max_plate_nesting == 0 (got {max_plate_nesting}): steps with model plates are not supported")
 
 
-def check_finite_args(args: tuple, kwargs: dict, where: str) -> None:
-    """Rejects a NaN or infinite tensor argument of a step, naming the step (the caller passes the
-    observation with its missing components already filled in)."""
-    for value in list(args) + list(kwargs.values()):
+def check_finite_args(args: tuple, kwargs: dict, where: str, first: int = 0) -> None:
+    """Rejects a NaN or infinite tensor argument of ``init`` or a step, naming it and the step.
+
+    ``args`` are the positional arguments from position ``first`` on: a step's observation
+    (position 0) has been checked already by :func:`pyro_smc.observations.step_observation`, so a
+    step passes the rest with ``first=1``.
+    """
+    of = "of init" if where == "init" else f"of the step at {where}"
+    named = [(f"argument {first + i} {of}", v) for i, v in enumerate(args)]
+    named += [(f"keyword argument {k!r} {of}", v) for k, v in kwargs.items()]
+    for name, value in named:
         if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            if bool(torch.isinf(value).any()):
-                raise ValueError(f"observation at {where} contains inf")
-            raise ValueError(f"a step argument at {where} contains NaN (only the observation, the first argument, may be missing)")
+            kind = "inf" if bool(torch.isinf(value).any()) else "NaN"
+            raise ValueError(
+                f"{name} contains {kind} (only the observation, the step's first argument, may be missing, as NaN)"
+            )
 
 
 #: Observation dtypes the engine refuses: log-weights and the running log-evidence accumulate over

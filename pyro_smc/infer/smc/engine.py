@@ -46,10 +46,10 @@ from pyro_smc.infer.smc.checks import (
     check_finite_args,
     check_first_stage,
     check_programs,
+    DegeneracyMonitor,
     check_settings,
     check_quantile_request,
     check_smooth_request,
-    warn_degenerate_weights,
 )
 from pyro_smc.infer.smc.importance import ParticleLayout, SMCFailedError
 from pyro_smc.infer.smc.replay_loop import LoopPlan, run_replayed
@@ -113,8 +113,9 @@ class SMC:
             ``state``, an observation of the wrong dtype, nothing sampled, a non-finite mean.
 
     Warns:
-        ParticleDegeneracyWarning: in :meth:`run`, the weights collapsed onto about one particle
-            at a fifth of the steps or more.
+        ParticleDegeneracyWarning: the weights collapsed onto about one particle at a fifth of the
+            steps or more, or in half the filters at one step (at the end of :meth:`run`; after
+            steps taken one by one, when ``log_evidence`` or ``result`` is read).
         UserWarning: a guide with parameters under ``gradient="stop_gradient"`` (zero gradient).
 
     Example:
@@ -185,6 +186,7 @@ class SMC:
         self._records: list[StepRecord] = []
         self._history: list[dict] = []  # per step, what smooth() needs (store_history)
         self._checks = TraceChecks(self.model, self._layout.particle_shape)
+        self._degeneracy = DegeneracyMonitor(self.num_particles)
         self._compiled.reset()
         if self.qmc and self._compiled.enabled:
             self._compiled.give_up("qmc=True draws the latent sites by a handler, which a recording cannot replay")
@@ -235,7 +237,10 @@ class SMC:
         missing = observation is not None and observation.missing
         observed = None if observation is None else observation.observed
         args = fill_missing(args, observed)
-        check_finite_args(args[1:] if missing else args, kwargs, f"time step {self._t}")
+        if observation is None:
+            check_finite_args(args, kwargs, f"time step {self._t}")
+        else:
+            check_finite_args(args[1:], kwargs, f"time step {self._t}", first=1)
         return self._step(StepInputs(args, kwargs, self._t, missing, observed))
 
     def _step(self, inputs: StepInputs) -> SMC:
@@ -332,7 +337,7 @@ class SMC:
         summary = report.summary(len(schedule))
         if summary is not None:
             warnings.warn(SinkhornConvergenceWarning(summary), stacklevel=2)
-        warn_degenerate_weights(self.ess_history, self.num_particles)
+        self._check_degeneracy(2)
         return self
 
     def _replay_rest(self, schedule: list, start: int, args: tuple, kwargs: dict) -> int:
@@ -426,10 +431,25 @@ class SMC:
     def log_evidence(self) -> Tensor:
         r"""``(B,)`` :math:`\log \hat Z` of the steps so far, differentiable.
 
+        Read after steps taken one by one (:meth:`init` and :meth:`step`), it first checks them for
+        collapsed weights (:class:`~pyro_smc.infer.ParticleDegeneracyWarning`, once per run), as
+        :meth:`run` does after its last step.
+
         Raises:
             RuntimeError: before anything was weighed, naming what to call.
         """
-        return self._weights_or_raise("log_evidence").log_evidence
+        log_z = self._weights_or_raise("log_evidence").log_evidence
+        if self._report is None:  # not inside run(), which checks once at its end
+            self._check_degeneracy(2)
+        return log_z
+
+    def _check_degeneracy(self, stacklevel: int) -> None:
+        """Feeds the steps taken since the last check to the run's :class:`DegeneracyMonitor`, which
+        warns once per run; ``stacklevel`` counts from this method's caller."""
+        new = self._records[self._degeneracy.steps :]
+        if new:
+            self._degeneracy.add(torch.stack([record.ess for record in new]))
+        self._degeneracy.warn(stacklevel + 1)
 
     @property
     def records(self) -> tuple[StepRecord, ...]:
@@ -439,7 +459,7 @@ class SMC:
     def _stacked(self) -> SMCResult:
         if not self._records:
             raise RuntimeError("SMC has not taken a step; call run(observations) or init() and step()")
-        return stack_records(self._records, self.log_evidence)
+        return stack_records(self._records, self._weights_or_raise("log_evidence").log_evidence)
 
     @property
     def filtering_means(self) -> dict[str, Tensor]:
@@ -483,7 +503,10 @@ class SMC:
             >>> out.log_evidence_increments.shape, out.ess.shape
             (torch.Size([5, 1]), torch.Size([5, 1]))
         """
-        return self._stacked()
+        result = self._stacked()
+        if self._report is None:  # as for log_evidence
+            self._check_degeneracy(2)
+        return result
 
     @property
     def weighted_particles(self) -> tuple[dict[str, Tensor], Tensor]:

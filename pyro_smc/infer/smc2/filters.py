@@ -45,12 +45,13 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from pyro_smc.infer.smc import SMC
+from pyro_smc.infer.smc import SMC, ParticleDegeneracyWarning
 from pyro_smc.infer.static_parameters import StaticParameters
 
 __all__ = ["InnerFilters", "log_evidence"]
@@ -66,7 +67,10 @@ _CONVENTION = (
 def log_evidence(smc: SMC) -> Tensor:
     r"""``(B,)``: the filters' :math:`\log \hat p(y_{1:t} \mid \theta)`, zeros before any weighing."""
     try:
-        return smc.log_evidence
+        # Inner filters of implausible parameters collapse by design: SMC2 reweights them away.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ParticleDegeneracyWarning)
+            return smc.log_evidence
     except RuntimeError:  # init scored nothing: no weights yet
         like = next(iter(smc.state.values()), None)
         dtype = like.dtype if isinstance(like, Tensor) and like.is_floating_point() else torch.get_default_dtype()

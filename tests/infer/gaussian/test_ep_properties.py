@@ -8,7 +8,10 @@ tolerance of ``tests/ops/test_kalman_properties.py`` (dense joint Gaussian oracl
 evidence's implicit gradient equals the Kalman score. Bad observations must be refused by name.
 """
 
+import math
 import warnings
+
+import pytest
 
 import torch
 from hypothesis import given
@@ -16,7 +19,7 @@ from hypothesis import strategies as st
 
 from pyro_smc import EPSmoother
 from pyro_smc.infer.gaussian.ep import EPConvergenceWarning
-from pyro_smc.models import LinearGaussianSSM
+from pyro_smc.models import LinearGaussianSSM, NonlinearGaussianSSM
 from pyro_smc.ops.kalman import kalman_filter
 from tests.infer.gaussian.test_smoothers_properties import BAD_OBSERVATIONS, PROJECTIONS, bad_observations, linear_model
 from tests.ops.test_kalman_properties import assert_evidence_close, assert_gaussian_close, dense_oracle, linear_problems, model_args
@@ -74,4 +77,37 @@ def test_property_bad_observations_are_refused_by_name(problem, bad, projection,
         assert_clear_error(error, name)
     else:
         raise AssertionError(f"{bad} observations were accepted")
+
+
+
+def _cubic_sensor(scale: float):
+    """A 1-d model with an asymmetric sensor, written in units ``scale`` times the natural ones."""
+    one = torch.ones(1, 1)
+    return NonlinearGaussianSSM(
+        lambda x: scale * (0.9 * (x / scale) + torch.sin(x / scale)),
+        0.5 * scale**2 * one,
+        lambda x: scale * ((x / scale) + (x / scale) ** 3 / 10),
+        0.1 * scale**2 * one,
+        scale * torch.ones(1),
+        2 * scale**2 * one,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "parallel"])
+def test_the_stopping_rule_reads_the_same_in_any_units(schedule):
+    """Before: ``tol`` was an absolute change, so the model written in units of 1e-7 (every
+    change below 1e-6) "converged" after 2 sweeps, its means 0.35 standard deviations and its
+    log-evidence 0.25 nats from the fixed point that the model in natural units reaches (and at
+    1e3 it ran 45 sweeps where 26 were enough). EP commutes with a change of units: the means
+    scale, the log-evidence shifts by ``-T log(scale)``, the sweeps are the same."""
+    T = 50
+    ys = _cubic_sensor(1.0).simulate(T, generator=torch.Generator().manual_seed(1))[1]
+    ref = EPSmoother(_cubic_sensor(1.0), schedule=schedule, max_iter=100).smooth(ys)
+    assert ref.converged
+    for scale in (1e-7, 1e-3, 1e3):
+        out = EPSmoother(_cubic_sensor(scale), schedule=schedule, max_iter=100).smooth(ys * scale)
+        assert out.converged and len(out.history) == len(ref.history)
+        assert torch.allclose(out.means / scale, ref.means, atol=1e-6)
+        assert torch.allclose(out.covariances / scale**2, ref.covariances, atol=1e-6)
+        assert abs(float(out.log_evidence + T * math.log(scale) - ref.log_evidence)) < 1e-6
 

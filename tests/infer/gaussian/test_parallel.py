@@ -252,7 +252,9 @@ def test_gmres_differentiates_a_parallel_fixed_point_where_the_plain_adjoint_div
     for schedule in ("parallel", "sequential"):
         pyro.clear_param_store()
         ssm = model()
-        out = EPSmoother(ssm, projection="unscented", max_iter=300, tol=1e-8, schedule=schedule).smooth(ys)
+        # tol=1e-9 (in units of the marginals' spread): the parallel run ends at a damping where
+        # the plain adjoint diverges (as at 1e-7 and 1e-10; at 1e-8 it ends where it converges).
+        out = EPSmoother(ssm, projection="unscented", max_iter=300, tol=1e-9, schedule=schedule).smooth(ys)
         assert out.converged
         params = [p for p in ssm.parameters() if p.requires_grad]
         grads[schedule] = torch.autograd.grad(out.log_evidence, params)

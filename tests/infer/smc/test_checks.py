@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pyro_smc import SMC, SMCELBO
-from pyro_smc.infer.smc.checks import ParticleDegeneracyWarning
+from pyro_smc.infer.smc.checks import DegeneracyMonitor, ParticleDegeneracyWarning
 from pyro_smc.ops.sinkhorn import SinkhornConvergenceWarning
 from pyro_smc.resamplers import OTResampler, SystematicResampler
 from tests.infer.paper_model import DiagLinearGaussian, kalman_log_evidence, simulate
@@ -359,3 +359,64 @@ class _ScalarWalkSharp:
     def step(self, state, y=None):
         state["x"] = pyro.sample("x", dist.Normal(state.get("x", torch.zeros(())), 1.0))
         pyro.sample("y", dist.Normal(state["x"], self.noise), obs=y)
+
+
+def test_steps_taken_one_by_one_are_checked_when_the_evidence_is_read():
+    """Before: a loop of ``step`` calls was never checked, so the collapsed filter of the test
+    above gave its log Z (-8e9) in silence. Now reading ``log_evidence`` (or ``result``) checks
+    the steps taken so far, and warns once per run however often it is read; ``init`` starts a
+    new run. A healthy manual loop stays silent."""
+    ys = _ys(20)
+    for read_every_step in (False, True):
+        smc = SMC(AR1(obs_sd=1e-6), num_particles=100)
+        # Read after each step, the first step's collapse is reported at once (the one-step rule).
+        expected = r"at time step 0 the weights of the filter" if read_every_step else r"ESS < 2 of 100\) at 20 of 20 steps"
+        with pytest.warns(ParticleDegeneracyWarning, match=expected) as record:
+            smc.init()
+            for y in ys:
+                smc.step(y)
+                if read_every_step:
+                    _ = smc.log_evidence
+            _ = smc.log_evidence
+            _ = smc.result
+        assert sum(issubclass(r.category, ParticleDegeneracyWarning) for r in record) == 1
+        # The warning points at the user's line, not into the engine.
+        assert record[0].filename == __file__
+    with pytest.warns(ParticleDegeneracyWarning):
+        smc.init()
+        for y in ys:
+            smc.step(y)
+        _ = smc.result
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParticleDegeneracyWarning)
+        smc = SMC(AR1(), num_particles=100).init()
+        for y in ys:
+            smc.step(y)
+            _ = smc.log_evidence
+        # After run() (which checks at its end) a read adds no second warning.
+        smc = SMC(AR1(), num_particles=100).run(ys)
+        _ = smc.log_evidence
+
+
+def test_degeneracy_monitor_fed_step_by_step_says_what_it_says_for_the_whole_history():
+    """The tally of :class:`DegeneracyMonitor` gives the same verdict, counts and first steps
+    whether the ESS history arrives at once or a step at a time."""
+    g = torch.Generator().manual_seed(3)
+    ess = 2 + 98 * torch.rand(30, 4, generator=g)
+    ess[[3, 9, 11, 17, 25, 28], 2] = 1.5  # filter 2: 6 of 30 steps, first at step 3
+    ess[[5, 6], 1] = 1.1
+    whole, parts = DegeneracyMonitor(100), DegeneracyMonitor(100)
+    whole.add(ess)
+    for t in range(30):
+        parts.add(ess[t : t + 1])
+    assert whole.message() == parts.message()
+    assert "at 6 of 30 steps in filter 2, first at time step 3" in whole.message()
+    ess[:, :] = 50.0
+    ess[12, :3] = 1.2  # three of four filters at one step
+    whole, parts = DegeneracyMonitor(100), DegeneracyMonitor(100)
+    whole.add(ess)
+    for t in range(0, 30, 7):
+        parts.add(ess[t : t + 7])
+    assert whole.message() == parts.message()
+    assert "at time step 12 the weights of 3 of 4 filters collapsed" in whole.message()
+    assert DegeneracyMonitor(10).message() is None

@@ -294,8 +294,24 @@ def test_nan_and_inf_observations_name_the_step():
         with pytest.raises(ValueError, match="time step 1"):
             smc.step(ys_bad[4])
     smc = SMC(ssm, num_particles=5).init()
-    with pytest.raises(ValueError, match="NaN"):  # a NaN in an argument other than the observation
+    with pytest.raises(ValueError, match="^argument 1 of the step at time step 0 contains NaN"):  # not the observation
         smc.step(ys[0], torch.tensor([math.nan, 1.0]))
+
+
+def test_a_non_finite_covariate_is_named_as_such():
+    """An infinite covariate was reported as "observation at init contains inf" (the observation
+    being fine): the message now names the argument and where it was passed."""
+    ssm = _lgssm(0.5)
+    _, ys = ssm.simulate(3)
+    inf, nan = torch.tensor([math.inf, 0.0]), torch.tensor([math.nan, 0.0])
+    with pytest.raises(ValueError, match=r"^argument 0 of init contains inf"):
+        SMC(ssm, num_particles=5).run(ys, inf)
+    with pytest.raises(ValueError, match=r"^keyword argument 'u' of init contains NaN"):
+        SMC(ssm, num_particles=5).init(u=nan)
+    with pytest.raises(ValueError, match=r"^argument 1 of the step at time step 0 contains inf"):
+        SMC(ssm, num_particles=5).init().step(ys[0], inf)
+    with pytest.raises(ValueError, match=r"^keyword argument 'u' of the step at time step 0 contains inf"):
+        SMC(ssm, num_particles=5).init().step(ys[0], u=inf)
 
 
 def test_smc_rejects_observations_of_the_wrong_shape():
