@@ -1,4 +1,5 @@
 import math
+import warnings
 
 import pyro
 import pyro.contrib.gp as gp
@@ -231,3 +232,20 @@ def test_lbfgs_line_search_backs_off_instead_of_diverging(seed):
     history = gp.fit(num_steps=100, optimizer="lbfgs")
     assert all(bool(torch.isfinite(p).all()) for p in (gp.lengthscale, gp.variance, gp.noise))
     assert -history[-1] > start
+
+
+def test_a_float32_gp_with_small_noise_warns():
+    """A float32 GP whose noise is a small fraction of its signal variance gave predictive
+    variances 600 times too large (noise 2e-5 of the variance) without a word; it now warns once.
+    A well-conditioned float32 GP stays silent."""
+    X = torch.linspace(-3, 3, 40).unsqueeze(-1).float() + 5.0
+    Y = torch.cat([X.sin(), X.cos()], -1)
+    with pytest.warns(UserWarning, match="too ill-conditioned for float32") as record:
+        model = MultiOutputGP(X, Y, noise=1e-5)
+        model.predict(X[:2])
+        model.predict(X[:3])
+    assert sum("float32" in str(w.message) for w in record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MultiOutputGP(X, Y, noise=0.1).predict(X[:2])
+        MultiOutputGP(X.double(), Y.double(), noise=1e-5).predict(X[:2].double())

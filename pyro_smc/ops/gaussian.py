@@ -259,7 +259,7 @@ def moment_change(means: Tensor, covs: Tensor, previous_means: Tensor, previous_
 
     Example:
         >>> m, P = torch.zeros(3, 1), 1e-12 * torch.ones(3, 1, 1)    # spread 1e-6
-        >>> round(moment_change(m + 1e-7, P, m, P), 6)                # a tenth of a standard deviation
+        >>> round(moment_change(m + 1e-7, P, m, P), 6)  # a tenth of a standard deviation
         0.1
     """
     means, covs = means.detach(), covs.detach()

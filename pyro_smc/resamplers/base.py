@@ -238,6 +238,14 @@ def flatten_floats(particles: Particles, log_weights: Tensor) -> tuple[Tensor, P
     """
     batch = log_weights.shape
     floats = {k: v for k, v in particles.items() if v.is_floating_point()}
+    for key, value in floats.items():
+        # Computing in the narrower dtype would round the state to it (float64 positions near 1e6
+        # with a spread of 1e-3, resampled with float32 weights, all came out the same value).
+        if torch.finfo(value.dtype).eps < torch.finfo(log_weights.dtype).eps:
+            raise ValueError(
+                f"particles['{key}'] is {value.dtype} but log_weights is {log_weights.dtype}: pass log_weights in the "
+                f"state's precision (log_weights.to({value.dtype})), or the state would be rounded to {log_weights.dtype}"
+            )
     flat = [v.reshape(batch + (-1,)) for v in floats.values()]
     if not flat:
         return log_weights.new_zeros(batch + (0,)), floats

@@ -50,8 +50,13 @@ class DiffusionResampler(Resampler):
     10 to 12% too large at the default :math:`h = 1/2`, within 2.5% at :math:`h = 1/16`); with
     ``"sde"`` or ``"ode"`` the last step is Tweedie's posterior mean, so every new particle is a
     convex combination of old ones and the cloud is *shrunk* instead (by 42 to 53% at
-    :math:`h = 1/2`, 4 to 15% at :math:`h = 1/16`). Both biases vanish as :math:`h \to 0`; the
-    weighted mean is kept up to Monte Carlo error. Inside :class:`~pyro_smc.SMC` the filter is
+    :math:`h = 1/2`, 4 to 15% at :math:`h = 1/16`). Both biases vanish as :math:`h \to 0`, and so
+    does a shift of the weighted mean, which is first order in :math:`h` too (measured, ``N = 100``,
+    weights ``softmax(2 x)`` of standard normal ``x``, 2000 clouds: -2.2% of the weighted standard
+    deviation at the default, about -0.5% at :math:`h = 1/16`; +1.6% with ``"sde"``, +1.1% with
+    ``"ode"``, -12% with ``reference="standard"``). Jittered particles can also leave a latent
+    site's support (a probability vector off the simplex, a positive quantity below zero): use
+    it for unconstrained states. Inside :class:`~pyro_smc.SMC` the filter is
     therefore consistent in ``N`` only as :math:`h \to 0` too (the paper's consistency result is
     for the exact reverse process).
 
@@ -110,7 +115,7 @@ class DiffusionResampler(Resampler):
         >>> x = torch.randn(1000, 2, requires_grad=True)               # (N, D)
         >>> log_w = torch.randn(1000).log_softmax(-1)
         >>> new, new_log_w = DiffusionResampler()({"x": x}, log_w)
-        >>> mean = (log_w.exp()[:, None] * x).sum(0)                   # weighted mean kept
+        >>> mean = (log_w.exp()[:, None] * x).sum(0)                   # kept to O(h)
         >>> bool((new["x"].mean(0) - mean).abs().max() < 0.15)
         True
         >>> new["x"].sum().backward()                                  # pathwise gradient

@@ -81,8 +81,9 @@ class IndexResampler(Resampler):
         estimator: the :class:`GradientEstimator` it names.
 
     Returns:
-        ``(particles, log_weights)`` when called: each state tensor ``(..., N, *event)`` and the
-        normalised new log-weights ``(..., N)``, shaped as the inputs; :meth:`resample` returns
+        ``(particles, log_weights)`` when called (the log-weights need not be normalised): each
+        state tensor ``(..., N, *event)`` and the normalised new log-weights ``(..., N)``, shaped
+        as the inputs; :meth:`resample` returns
         the :class:`~pyro_smc.resamplers.Resampled` with the ancestors as well.
 
     Raises:
@@ -121,6 +122,10 @@ class IndexResampler(Resampler):
     def resample(self, particles: Particles, log_weights: Tensor) -> Resampled:
         """Draws the ancestors and gathers every state tensor by them (see :meth:`Resampler.resample`)."""
         check_particles(particles, log_weights)
+        # The schemes read normalised weights; called directly with unnormalised ones, they copied
+        # the first particle every time. The shift is constant for autograd: normalised weights
+        # (every call from SMC) keep their values and gradients exactly.
+        log_weights = log_weights - log_weights.detach().logsumexp(-1, keepdim=True)
         index = self.scheme(log_weights)
         if self.gradient in ("stop_gradient", "marginal_stop_gradient"):
             return Resampled(gather(particles, index), schemes.stop_gradient_log_weights(log_weights, index), index)

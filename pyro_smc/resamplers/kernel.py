@@ -57,7 +57,10 @@ class KernelResampler(Resampler):
     gradient's standard deviation grows like :math:`1/h` (the score of the kernel with respect to a
     particle is :math:`\epsilon / h`). The forward pass is a valid particle filter only for that jittered
     model: for a linear-Gaussian model resampled at every step, the one with transition
-    covariance :math:`Q + A \operatorname{diag}(h^2) A^\top`.
+    covariance :math:`Q + A \operatorname{diag}(h^2) A^\top`. The Gaussian jitter ignores a latent
+    site's support: a probability vector can leave the simplex and a positive quantity go below
+    zero (the next step's transition is then evaluated outside its support), so use it for
+    unconstrained states.
 
     **Non-floating state** (integer or bool tensors, e.g. a regime label) is copied from the
     ancestor: its kernel is a point mass. The mixture density at :math:`\tilde x_i` then only sums over
@@ -122,6 +125,8 @@ class KernelResampler(Resampler):
         """Resamples and moves the particles by the kernel (see :meth:`Resampler.resample`)."""
         check_particles(particles, log_weights)
         check_log_weights(log_weights)
+        # Direct calls may pass them unnormalised; a constant shift for autograd, as in index.py.
+        log_weights = log_weights - log_weights.detach().logsumexp(-1, keepdim=True)
         batch, n = log_weights.shape, log_weights.shape[-1]
         x, floats = flatten_floats(particles, log_weights)
         others = {k: v for k, v in particles.items() if k not in floats}

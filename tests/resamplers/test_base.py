@@ -129,3 +129,17 @@ def test_ancestors_returned_without_changing_the_output():
         assert torch.equal(new["x"], out.ancestors.to(new["x"].dtype))
         assert not any(name.startswith(("last", "_last")) for name in vars(resampler))
         assert "last_ancestors" not in repr(resampler)
+
+
+@pytest.mark.parametrize("resampler", [OTResampler(), SoftResampler(0.5)])
+def test_a_state_more_precise_than_its_weights_is_refused_by_resamplers_that_move_particles(resampler):
+    """Before: OT called directly with a float64 state and float32 log-weights computed in float32,
+    so positions near 1e6 with a spread of 1e-3 all came out one value. Now it is an error naming
+    the state; the index resamplers, which only copy, accept it and keep the state's values."""
+    x = 1e6 + 1e-3 * torch.randn(200, generator=gen(0), dtype=torch.float64)
+    log_w = torch.randn(200, generator=gen(1), dtype=torch.float32).log_softmax(-1)
+    if isinstance(resampler, OTResampler):
+        with pytest.raises(ValueError, match=r"particles\['x'\] is torch.float64 but log_weights is torch.float32"):
+            resampler.resample({"x": x}, log_w)
+    out = SystematicResampler().resample({"x": x}, log_w)
+    assert out.particles["x"].dtype == torch.float64 and float(out.particles["x"].std()) > 5e-4

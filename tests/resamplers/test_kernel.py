@@ -311,3 +311,17 @@ def test_bad_scheme_and_weights_and_shapes_raise():
         h.fill_(-0.5)
     with pytest.raises(ValueError, match="bandwidth"):
         resampler({"x": x}, torch.zeros(2, 5).log_softmax(-1))
+
+
+def test_unnormalised_log_weights_give_the_normalised_weights_result():
+    """Before: called directly with log-weights ``[0, 5, 1]`` (not summing to one) the kernel
+    resampler's new mean came out near -420 where the weighted mean is 1.01. Now the result equals
+    that of the normalised weights draw for draw."""
+    x = torch.arange(3.0, dtype=torch.float64).expand(500, 3)
+    log_w = torch.tensor([0.0, 5.0, 1.0], dtype=torch.float64).expand(500, 3)
+    torch.manual_seed(0)
+    raw = KernelResampler(bandwidth=0.1).resample({"x": x}, log_w)
+    torch.manual_seed(0)
+    normalised = KernelResampler(bandwidth=0.1).resample({"x": x}, log_w.log_softmax(-1))
+    assert torch.allclose(raw.particles["x"], normalised.particles["x"]) and torch.allclose(raw.log_weights, normalised.log_weights)
+    assert abs(float(raw.particles["x"].mean()) - float((log_w[0].softmax(-1) * x[0]).sum())) < 0.05

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from pyro.distributions import MaskedDistribution
 from pyro.distributions.util import scale_and_mask
 from pyro.infer.smcfilter import SMCFailed
 from pyro.poutine.trace_struct import Trace
@@ -193,7 +195,47 @@ def log_weight_terms(
             if len(layout.particle_shape) == 1:
                 term = term.squeeze(0)
         terms.append((name, term))
+    for name in _rescaled_latents(model_trace, proposed):
+        # Drawn from its own distribution, so its density cancels in the weight unless the model
+        # scales or masks it: what is left is the scaled, masked density less the one it was
+        # drawn from. Ignored before: poutine.scale(0.5) on a bootstrap filter's transition gave
+        # the unscaled model's log Z (-29.5 where the scaled model's is -17.1).
+        site = model_trace.nodes[name]
+        log_p = site_log_probs(model_trace, [name])[name]
+        drawn = _unmasked(site["fn"]).log_prob(site["value"], *site["args"], **site["kwargs"])
+        term = _per_particle(log_p - drawn, site, layout)
+        if ended is not None:
+            term = layout.batched(term)
+            term = torch.where(ended.unsqueeze(-1), torch.zeros_like(term), term)
+            if len(layout.particle_shape) == 1:
+                term = term.squeeze(0)
+        terms.append((name, term))
     return terms
+
+
+def _rescaled_latents(model_trace: Trace, proposed: set[str]) -> list[str]:
+    """The latent sites the model draws itself (no guide proposes them) under a scale or a mask
+    (``poutine.scale``, ``poutine.mask``, ``Distribution.mask``, a subsampled plate)."""
+    return [
+        name for name, site in model_trace.nodes.items() if is_scored(site) and not site["is_observed"] and name not in proposed and _is_rescaled(site)
+    ]
+
+
+def _is_rescaled(site: dict) -> bool:
+    """Whether a site's scored density differs from the density it is drawn from."""
+    scale, mask = site.get("scale", 1.0), site.get("mask")
+    return isinstance(scale, Tensor) or scale != 1.0 or (mask is not None and mask is not True) or _unmasked(site["fn"]) is not site["fn"]
+
+
+def _unmasked(fn: Any) -> Any:
+    """The distribution a site draws from: ``fn`` without the ``MaskedDistribution`` wrappers of
+    ``Distribution.mask`` (which scale the density, not the draw), through ``Independent``."""
+    if isinstance(fn, MaskedDistribution):
+        return _unmasked(fn.base_dist)
+    if isinstance(fn, TorchIndependent):
+        base = _unmasked(fn.base_dist)
+        return fn if base is fn.base_dist else type(fn)(base, fn.reinterpreted_batch_ndims)
+    return fn
 
 
 def mask_missing_components(model_trace: Trace, filled: Tensor, observed: Tensor, where: str) -> None:
@@ -262,9 +304,9 @@ def score_terms(model_trace: Trace, guide_trace: Trace | None, layout: ParticleL
     sources += [(model_trace, name) for name, site in model_trace.nodes.items() if is_latent(site) and (guide_trace is None or name not in guide_trace.nodes)]
     total = None
     for trace, name in sources:
-        score = _score(trace, name, layout)
+        score = _score(trace, name, layout, drawn=trace is model_trace)
         if active is not None and trace is guide_trace:
-            own = _score(model_trace, name, layout)
+            own = _score(model_trace, name, layout, drawn=True)
             if score is None and own is None:
                 continue
             score = torch.where(active.unsqueeze(-1), 0.0 if score is None else score, 0.0 if own is None else own)
@@ -332,10 +374,16 @@ def log_density_against_parents(fn, values: Tensor, layout: ParticleLayout) -> T
     return fn.log_prob(values[:, 0].unsqueeze(1)).unsqueeze(1)  # (S, 1, *event) against (N,)
 
 
-def _score(trace: Trace, name: str, layout: ParticleLayout) -> Tensor | None:
+def _score(trace: Trace, name: str, layout: ParticleLayout, drawn: bool = False) -> Tensor | None:
     """``log q(x) - stop_grad(log q(x))`` of one site, ``(B, N)`` (zero where non-finite), or
-    ``None`` when ``log q`` has no autograd graph."""
-    log_q = _per_particle(site_log_probs(trace, [name])[name], trace.nodes[name], layout)
+    ``None`` when ``log q`` has no autograd graph. ``drawn``: a model site drawn from its own
+    distribution, whose ``q`` is that distribution without the model's scale or mask."""
+    site = trace.nodes[name]
+    if drawn and _is_rescaled(site):
+        log_q = _unmasked(site["fn"]).log_prob(site["value"], *site["args"], **site["kwargs"])
+    else:
+        log_q = site_log_probs(trace, [name])[name]
+    log_q = _per_particle(log_q, site, layout)
     if not log_q.requires_grad:
         return None
     return layout.batched(torch.where(torch.isfinite(log_q), log_q - log_q.detach(), torch.zeros_like(log_q)))

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from pyro.poutine.trace_struct import Trace
 from torch import Tensor
-from torch.distributions import Distribution
+from torch.distributions import Distribution, constraints
 from torch.distributions.utils import lazy_property
 
 from pyro_smc.infer.smc.checks import NonReparameterizedGradientWarning
@@ -27,6 +27,7 @@ __all__ = [
     "TraceChecks",
     "check_guide_dtype",
     "check_observation_dtype",
+    "constraint_violations",
     "discrete_state_keys",
     "latent_kept_outside_state",
     "warn_non_reparameterized",
@@ -148,7 +149,12 @@ def warn_non_reparameterized(model_trace: Trace, guide_trace: Trace | None, wher
 
 
 def _distribution_parameters(fn: Distribution) -> Iterator[Tensor]:
-    """The parameter tensors of ``fn`` and of every distribution it wraps.
+    """The parameter tensors of ``fn`` and of every distribution it wraps."""
+    return (value for value, _ in _distribution_arguments(fn))
+
+
+def _distribution_arguments(fn: Distribution) -> Iterator[tuple[Tensor, Any]]:
+    """``(tensor, constraint)`` for each parameter of ``fn`` and of every distribution it wraps.
 
     Parameters are the tensors named by each distribution's ``arg_constraints``; wrappers
     (``Independent``, ``MaskedDistribution``, ``ExpandedDistribution``, transformed and mixture
@@ -162,10 +168,10 @@ def _distribution_parameters(fn: Distribution) -> Iterator[Tensor]:
         seen.add(id(d))
         attributes = vars(d)
         try:
-            names = list(d.arg_constraints)
+            arg_constraints = dict(d.arg_constraints)
         except NotImplementedError:
-            names = []
-        for name in names:
+            arg_constraints = {}
+        for name, constraint in arg_constraints.items():
             value = attributes.get(name)
             # A lazy property (Categorical.logits of a probs-built Categorical) is not computed
             # just to be looked at; its source parameter is in the instance dict.
@@ -175,8 +181,51 @@ def _distribution_parameters(fn: Distribution) -> Iterator[Tensor]:
                 except Exception:  # a property that cannot be computed is not a parameter we can check
                     value = None
             if isinstance(value, Tensor):
-                yield value
+                yield value, constraint
         stack.extend(value for value in attributes.values() if isinstance(value, Distribution))
+
+
+def _checkable(constraint: Any) -> bool:
+    """Whether a replayed step checks ``constraint`` itself: not a dependent one (no check), not
+    a real one (a NaN already fails the step's finiteness check), not a positive-definite one (a
+    factorisation per check; the distribution factorises the matrix anyway and fails loudly)."""
+    while isinstance(constraint, constraints.independent):
+        constraint = constraint.base_constraint
+    if constraints.is_dependent(constraint) or constraint is constraints.real:
+        return False
+    return not isinstance(constraint, (type(constraints.positive_definite), type(constraints.positive_semidefinite)))
+
+
+def constraint_violations(traces: Iterable[Trace | None]) -> Tensor | None:
+    """The number of parameter and observed values that violate their distribution's
+    constraints, over every sample site of ``traces``; ``None`` when there is nothing to check.
+
+    Pyro validates them when a distribution is built or scores an observation; a replayed
+    (compiled) step runs without Pyro and returns this count instead, so that a step whose
+    parameters leave their support (a rate that turns negative at step 6 of a Gamma model, a
+    Dirichlet concentration fed by particles a jittering resampler moved off the simplex) is
+    rerun on Pyro's handlers, which raise naming the parameter, instead of giving finite nonsense.
+
+    Example:
+        >>> import pyro, pyro.distributions as dist, torch
+        >>> model = lambda rate: pyro.sample("x", dist.Gamma(2.0, rate), obs=torch.tensor(1.0))
+        >>> with pyro.validation_enabled(False):
+        ...     trace = pyro.poutine.trace(model).get_trace(torch.tensor([1.0, -1.0]))
+        >>> int(constraint_violations([trace]))
+        1
+    """
+    counts = []
+    for trace in traces:
+        if trace is None:
+            continue
+        for site in trace.nodes.values():
+            if site["type"] != "sample" or not isinstance(site["fn"], Distribution):
+                continue
+            checks = [(value, c) for value, c in _distribution_arguments(site["fn"]) if _checkable(c)]
+            if site["is_observed"] and isinstance(site["value"], Tensor) and _checkable(site["fn"].support):
+                checks.append((site["value"], site["fn"].support))
+            counts.extend((~constraint.check(value)).sum() for value, constraint in checks)
+    return sum(counts) if counts else None
 
 
 def _distribution_name(fn: Distribution) -> str:

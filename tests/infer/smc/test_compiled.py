@@ -645,3 +645,46 @@ def test_a_counter_formatted_into_a_data_key_is_not_frozen(shared_name):
     assert torch.equal(runs[None].log_evidence, runs[False].log_evidence)
     expected = "the replayed" if shared_name else "formats its step counter into a string that is not a site name"
     assert expected in runs[None].compile_status
+
+
+class _GammaDrift:
+    """A positive state whose transition's rate turns negative once the argument ``c`` is large."""
+
+    def init(self, state):
+        state["x"] = pyro.sample("x0", dist.Gamma(2.0, 2.0))
+
+    def step(self, state, y=None, c=None):
+        x = pyro.sample("x", dist.Gamma(3.0, 3.0 / state["x"] - c))
+        pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+        state["x"] = x
+
+
+class _DirichletDrift:
+    """A probability vector whose concentration turns negative once ``c`` is large."""
+
+    def init(self, state):
+        state["p"] = pyro.sample("p0", dist.Dirichlet(torch.ones(3)))
+
+    def step(self, state, y=None, c=None):
+        p = pyro.sample("p", dist.Dirichlet(20 * state["p"] + 0.1 - c))
+        pyro.sample("y", dist.Categorical(p), obs=y)
+        state["p"] = p
+
+
+@pytest.mark.parametrize("model", [_GammaDrift, _DirichletDrift])
+@pytest.mark.parametrize("compile", [None, True, False])
+def test_a_replayed_step_whose_parameters_leave_their_support_raises_as_the_handlers_do(model, compile):
+    """Before: a replay runs without Pyro's validation, so from step 6 on (a negative rate, a
+    negative concentration) the compiled filter ran on to a finite log-evidence, reporting
+    itself compiled, where ``compile=False`` raised. Each replay now counts the violated
+    constraints; a step with any is rerun on the handlers, which raise the same error."""
+    pyro.set_rng_seed(0)
+    T = 12
+    ys = torch.randint(0, 3, (T,), generator=torch.Generator().manual_seed(0)).to(torch.get_default_dtype())
+    shift = torch.zeros(T)
+    shift[6:] = 3.0
+    smc = SMC(model(), num_particles=100, num_filters=4, compile=compile).init()
+    with pytest.raises(ValueError, match="to satisfy the constraint"):
+        for t in range(T):
+            smc.step(ys[t], shift[t])
+    assert smc._t >= 6  # the steps before were fine (and, compiled, replayed)
