@@ -208,7 +208,7 @@ class Lorenz96SSM(NonlinearGaussianSSM):
     # them), so assigning one used to change nothing and say nothing.
     @property
     def forcing(self) -> float:
-        """:math:`F`, as built (read-only: build a new model for another forcing)."""
+        """:math:`F`, as built; read-only (build a new model for another forcing)."""
         return self._forcing
 
     @forcing.setter
@@ -217,7 +217,7 @@ class Lorenz96SSM(NonlinearGaussianSSM):
 
     @property
     def dt(self) -> float:
-        """The RK4 step, as built (read-only: build a new model for another step)."""
+        """The RK4 step, as built; read-only (build a new model for another step)."""
         return self._dt
 
     @dt.setter

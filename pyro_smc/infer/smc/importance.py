@@ -189,12 +189,7 @@ def log_weight_terms(
             silent = ~active
         if ended is not None and observed:
             silent = ended if silent is None else silent | ended
-        if silent is not None:
-            term = layout.batched(term)
-            term = torch.where(silent.unsqueeze(-1), torch.zeros_like(term), term)
-            if len(layout.particle_shape) == 1:
-                term = term.squeeze(0)
-        terms.append((name, term))
+        terms.append((name, _silenced(term, silent, layout)))
     for name in _rescaled_latents(model_trace, proposed):
         # Drawn from its own distribution, so its density cancels in the weight unless the model
         # scales or masks it: what is left is the scaled, masked density less the one it was
@@ -203,14 +198,17 @@ def log_weight_terms(
         site = model_trace.nodes[name]
         log_p = site_log_probs(model_trace, [name])[name]
         drawn = _unmasked(site["fn"]).log_prob(site["value"], *site["args"], **site["kwargs"])
-        term = _per_particle(log_p - drawn, site, layout)
-        if ended is not None:
-            term = layout.batched(term)
-            term = torch.where(ended.unsqueeze(-1), torch.zeros_like(term), term)
-            if len(layout.particle_shape) == 1:
-                term = term.squeeze(0)
-        terms.append((name, term))
+        terms.append((name, _silenced(_per_particle(log_p - drawn, site, layout), ended, layout)))
     return terms
+
+
+def _silenced(term: Tensor, silent: Tensor | None, layout: ParticleLayout) -> Tensor:
+    """``term`` (particle shape) with the filters ``silent`` ``(B,)`` set to zero (``None``: none)."""
+    if silent is None:
+        return term
+    term = layout.batched(term)
+    term = torch.where(silent.unsqueeze(-1), torch.zeros_like(term), term)
+    return term.squeeze(0) if len(layout.particle_shape) == 1 else term
 
 
 def _rescaled_latents(model_trace: Trace, proposed: set[str]) -> list[str]:
