@@ -3,7 +3,9 @@
 :class:`DistributedELBO` wraps any ``pyro.infer.ELBO`` (our :class:`~pyro_smc.SMCELBO`,
 ``Trace_ELBO``, ``TraceMeanField_ELBO``, ...). Each rank computes the wrapped ELBO's loss and
 gradients on its own share of the work, then the gradients of every parameter in Pyro's param
-store are averaged with one ``all_reduce`` (gloo on CPU, NCCL on GPU), so ``SVI``'s optimiser
+store, and of the model's and guide's own parameters when they are modules (a ``PyroModule``
+under ``pyro.settings.set(module_local_params=True)`` keeps them out of the store), are averaged
+with one ``all_reduce`` per dtype (gloo on CPU, NCCL on GPU), so ``SVI``'s optimiser
 step is the same on every rank and the parameters stay in sync. Two ways to share the work:
 
 * **Independent filters.** ``SMCELBO(num_filters=B)`` is ``-mean_b log Z_b``; with ``W`` ranks each
@@ -43,19 +45,34 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _params() -> list[tuple[str, torch.Tensor]]:
+def _params(*owners: object) -> list[tuple[str, torch.Tensor]]:
+    """The trainable tensors: Pyro's param store, then those of each ``torch.nn.Module`` in
+    ``owners`` (the model and guide) not already among them, in an order every rank shares."""
     # Sorted names: every rank must reduce the same tensors in the same order.
     store = pyro.get_param_store()
-    return [(name, store[name].unconstrained()) for name in sorted(store.keys())]
+    params = [(name, store[name].unconstrained()) for name in sorted(store.keys())]
+    # With pyro.settings.set(module_local_params=True) a PyroModule keeps its parameters out of
+    # the store: reducing the store alone averaged nothing, and the ranks drifted apart silently.
+    seen = {id(p) for _, p in params}
+    for k, owner in enumerate(owners):
+        if isinstance(owner, torch.nn.Module):
+            for name, p in owner.named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append((f"{k}.{name}", p))
+    return params
 
 
-def broadcast_params(src: int = 0) -> None:
-    """Copies every parameter in Pyro's param store from rank ``src`` to all ranks.
+def broadcast_params(src: int = 0, *modules: torch.nn.Module) -> None:
+    """Copies every parameter in Pyro's param store, and those of ``modules``, from rank ``src``
+    to all ranks.
 
     Without an initialised process group (or with one rank) it does nothing.
 
     Args:
         src: the rank whose parameters every rank takes.
+        *modules: modules whose parameters live outside the param store (a ``PyroModule`` model or
+            guide under ``pyro.settings.set(module_local_params=True)``).
 
     Returns:
         ``None``; the param store's tensors (any shape) are overwritten in place.
@@ -72,7 +89,7 @@ def broadcast_params(src: int = 0) -> None:
     if _world() == 1:
         return
     with torch.no_grad():
-        for _, p in _params():
+        for _, p in _params(*modules):
             dist.broadcast(p.data, src)
 
 
@@ -132,11 +149,12 @@ class DistributedELBO(ELBO):
         return self.elbo.differentiable_loss(model, guide, *args, **kwargs)
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
-        """The wrapped ``loss_and_grads``, then one ``all_reduce`` of every parameter's gradient."""
+        """The wrapped ``loss_and_grads``, then one ``all_reduce`` of every parameter's gradient:
+        the param store's, and the model's and guide's own when they are modules."""
         loss = self.elbo.loss_and_grads(model, guide, *args, **kwargs)
         world = _world()
         if world > 1:
-            params = [p for _, p in _params()]
+            params = [p for _, p in _params(model, guide)]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             # One flat buffer per dtype/device keeps it to a few collectives.
             groups: dict[tuple, list[int]] = {}
