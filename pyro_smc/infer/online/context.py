@@ -188,6 +188,9 @@ class StepContext:
                 f"state_key={state_key!r} does not hold the latent site '{name}' after model.step at step {self.t}"
                 f"{f' (the model stores it in state[{keys[0]!r}])' if keys else ''}"
             )
+        if value.dim() > 1:
+            # self.state_key is where run() put x_(t-1) (None before the first discovery).
+            _check_state_is_the_latent(state, state_key, self.state_key, name, value.shape[0], self.t)
         context = dataclasses.replace(self, site=name, state_key=state_key)
         # The model's draws are batched over the Monte Carlo samples (a leading dim) after the first step.
         check_observed_shapes(trace, (num_samples,) if value.dim() > 1 else (), where=f"step {self.t}")
@@ -238,3 +241,24 @@ def _sum_per_sample(trace: Trace, names: list[str], n: int, like: Tensor) -> Ten
             log_p = log_p.sum().expand(n)
         total = total + log_p
     return total
+
+
+def _check_state_is_the_latent(state: dict, state_key: str, injected: str | None, name: str, num_samples: int, t: int) -> None:
+    """Refuses a ``state`` entry besides the latent's that varies over the Monte Carlo draws.
+
+    Each step redraws :math:`x_{t-1}` from :math:`q_{t-1}` under ``state_key`` alone; an entry the model
+    computed from the previous draws (a stored prior mean ``A x``, a lag ``x_{t-2}``) would stay
+    paired with other draws, and the ELBO would silently be that of another model (a running
+    ELBO 16 nats below the evidence on a 2-d model storing ``A x``, 8 standard errors low on an
+    AR(2) latent written with a lag entry).
+    """
+    for key, entry in state.items():
+        if key in (state_key, injected) or not isinstance(entry, Tensor) or entry.dim() == 0 or entry.shape[0] != num_samples:
+            continue
+        if not bool((entry == entry[:1]).all()):
+            raise ValueError(
+                f"state[{key!r}] varies with the draws of '{name}' at step {t}: the streaming filter's state is the latent "
+                f"state[{state_key!r}] alone (each step redraws it from the previous filtering distribution, and cannot "
+                "redraw what the model computed from it, so the ELBO would pair the entry with the wrong draws). Compute it "
+                f"inside step from state[{state_key!r}], make it part of the latent (an augmented state), or use SMC"
+            )

@@ -138,7 +138,9 @@ class OnlineVariationalFilter:
             ``"previous"``: the guide's current parameters.
         learn_parameters: update the model's parameters online.
         parameter_lr: :math:`\eta_0` of the Robbins-Monro schedule, or a callable :math:`t \mapsto \eta_t`.
-        state_key: the ``state`` entry holding the latent (found automatically when ``None``).
+        state_key: the ``state`` entry holding the latent (found automatically when ``None``). The
+            state is that latent alone: another entry that varies over the draws (a stored
+            ``A x``, a lag) cannot be redrawn with ``x_{t-1}`` and is an error.
         progress_bar: a tqdm bar in :meth:`run`: ``None`` (default) in interactive use only,
             ``True`` always, ``False`` never (:mod:`pyro_smc.progress`).
 
@@ -364,8 +366,9 @@ class OnlineVariationalFilter:
     def log_evidence_gradient(self) -> dict[str, Tensor]:
         r"""With ``learn_parameters``, the online estimate of :math:`\nabla_\theta \log p(y_{1:t})`:
         Fisher's identity, the mean under :math:`q_t` of the regressed score :math:`S_t`, per parameter
-        name, with respect to its unconstrained value (detached). Empty before the first update,
-        and after a step that first reads a parameter (the recursion then restarts).
+        name, with respect to its unconstrained value (detached). Empty before the first update.
+        A parameter first read at a later step joins with a zero score and gradient up to that
+        step, and the recursion of the others goes on.
 
         While the parameters are being learnt, each step's score is taken at that step's
         parameter values, so the sum mixes the path's values: it is the recursion that drives
