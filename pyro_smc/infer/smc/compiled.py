@@ -35,7 +35,7 @@ A recording is only valid for a program that does the same thing at every step. 
   runs on the handler path, and the recording serves the next regular step;
 * a replayed step whose normaliser or filtering means are not finite, or whose distributions'
   parameters or observations break their constraints (what Pyro's validation checks, and a
-  replay counts instead: :func:`~pyro_smc.infer.smc.trace_checks.constraint_violations`), is
+  replay counts instead: :func:`~pyro_smc.infer.smc.trace_checks.constraints_hold`), is
   rewound and rerun on the handler path, with Pyro's validation, so a bad step reports the same
   error either way.
 
@@ -80,7 +80,7 @@ from pyro_smc.infer.smc.python_state import GradModeWatch, Snapshot, stale
 from pyro_smc.infer.smc.replay import execute, ignore_jit_deprecation, simplified
 from pyro_smc.infer.smc.state import SMCState
 from pyro_smc.infer.smc.step import Proposal, StepInputs, StepProgram, moments
-from pyro_smc.infer.smc.trace_checks import constraint_violations
+from pyro_smc.infer.smc.trace_checks import constraints_hold
 from pyro_smc.infer.smc.static_checks import (
     attribute_snapshot,
     clean,
@@ -569,12 +569,12 @@ def _run_step(program, keys, values, inputs, model_fn, guide_fn, settings, captu
         # One number is finite exactly when every normaliser and mean is, unless finite ones
         # overflow in the sum; that case is rerun on the handler path, which decides.
         checked = [sum((mean.sum() for mean in means.values()), log_norm.sum()).reshape(1)]
-    violations = constraint_violations((proposal.model_trace, proposal.guide_trace))
-    if violations is not None:
-        # Pyro's validation, which the recording runs without: 0 while every parameter and
-        # observation meets its constraints, -inf (a failed step, rerun on the handlers, which
-        # raise naming the parameter) otherwise.
-        checked.append(torch.log1p(-violations.clamp(max=1).to(log_norm.dtype)).reshape(1))
+    hold = constraints_hold((proposal.model_trace, proposal.guide_trace))
+    if hold is not None:
+        # Pyro's validation, which the recording runs without: log 1 = 0 while every parameter
+        # and observation meets its constraints, log 0 = -inf (a failed step, rerun on the
+        # handlers, which raise naming the parameter) otherwise.
+        checked.append(hold.to(log_norm.dtype).log().reshape(1))
     status = torch.cat(checked + [need.to(log_norm.dtype)])
     captured["checks"] = status.shape[0] - need.shape[0]
     head = tuple(state.values()) + tuple(term for _, term in terms) + (() if score_value is None else (score_value,))
