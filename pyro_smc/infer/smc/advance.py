@@ -131,7 +131,13 @@ def advance(
         recorded = replayed.weighed
         return finish(settings, checks.discrete_keys, state, weights.gain(recorded.log_weights, recorded.increment), inputs, None, recorded)
     if replayed is None:
-        proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function, draws=settings.draws)
+        try:
+            proposal = program.propose(state, model_fn, guide_fn, inputs, detach=score_function, draws=settings.draws)
+        except ValueError as error:
+            # Pyro's validation (a parameter outside its constraint) names the site, not the step.
+            if inputs.where in str(error):
+                raise
+            raise ValueError(f"at {inputs.where}: {error}") from error
     else:
         proposal = replayed.proposal
     checks.check(proposal, state, inputs, ESTIMATOR_OPTION[estimator.value] if score_function else None)
