@@ -135,6 +135,17 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
+def _fixed_when_built(name: str, doc: str) -> property:
+    """A read-only property over ``_<name>`` whose setter names the remedy."""
+
+    def refuse(self, value: float) -> None:
+        raise AttributeError(
+            f"Lorenz96SSM.{name} is fixed when the model is built (the transition uses it); build Lorenz96SSM(..., {name}={value!r}) instead"
+        )
+
+    return property(lambda self: getattr(self, f"_{name}"), refuse, doc=doc)
+
+
 class Lorenz96SSM(NonlinearGaussianSSM):
     r"""Lorenz-96 with additive Gaussian noise (the setting of Kamthe et al. by default).
 
@@ -206,20 +217,5 @@ class Lorenz96SSM(NonlinearGaussianSSM):
 
     # Read-only: the transition was built from them (and the default initial mean spun up with
     # them), so assigning one used to change nothing and say nothing.
-    @property
-    def forcing(self) -> float:
-        """:math:`F`, as built; read-only (build a new model for another forcing)."""
-        return self._forcing
-
-    @forcing.setter
-    def forcing(self, value: float) -> None:
-        raise AttributeError(f"Lorenz96SSM.forcing is fixed when the model is built (the transition uses it); build Lorenz96SSM(..., forcing={value!r}) instead")
-
-    @property
-    def dt(self) -> float:
-        """The RK4 step, as built; read-only (build a new model for another step)."""
-        return self._dt
-
-    @dt.setter
-    def dt(self, value: float) -> None:
-        raise AttributeError(f"Lorenz96SSM.dt is fixed when the model is built (the transition uses it); build Lorenz96SSM(..., dt={value!r}) instead")
+    forcing = _fixed_when_built("forcing", ":math:`F`, as built; read-only (build a new model for another forcing).")
+    dt = _fixed_when_built("dt", "The RK4 step, as built; read-only (build a new model for another step).")
